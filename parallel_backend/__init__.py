@@ -1,0 +1,55 @@
+"""parallel_backend: parallel gradients for one NumPyro chain.
+
+The core (this package) imports jax, numpy and cloudpickle only. Integrations
+live in ``parallel_backend.plugins`` and are re-exported here lazily, so
+``import parallel_backend`` never imports NumPyro, dask or ArviZ.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._version import __version__
+from .blocks import BlockPlan, plan_blocks, tree_sum
+from .executors import (Executor, SerialExecutor, ThreadExecutor, get_default_executor,
+                        known_executors, make_executor, set_default_executor, use_executor)
+from .reduce import reduce_sum
+
+__all__ = [
+    "__version__",
+    "reduce_sum",
+    "Executor",
+    "SerialExecutor",
+    "ThreadExecutor",
+    "use_executor",
+    "set_default_executor",
+    "get_default_executor",
+    "known_executors",
+    "make_executor",
+    "factor",
+    "BlockPlan",
+    "plan_blocks",
+    "tree_sum",
+]
+
+# Public names that live in plugins: name -> (module, attribute, extra to install).
+_LAZY = {
+    "factor": ("parallel_backend.plugins.numpyro", "factor", None),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr, extra = _LAZY[name]
+        try:
+            value = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            hint = f'pip install "parallel-backend[{extra}]"' if extra else "pip install parallel-backend"
+            raise ImportError(f"parallel_backend.{name} needs an optional dependency: {hint}") from e
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'parallel_backend' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,36 @@
+"""``SerialExecutor``: the reference; the block loop inside the caller's graph."""
+
+from __future__ import annotations
+
+from .base import Executor
+
+__all__ = ["SerialExecutor"]
+
+
+class SerialExecutor(Executor):
+    """Evaluate the blocks one after another, in this process.
+
+    By default the block loop stays inside the caller's XLA program (no host
+    callback): the reference every other executor matches bit for bit, and the
+    cheapest choice for small likelihoods. ``dispatch="host"`` runs the same
+    chunks through the host callback instead, one after another.
+
+    Parameters
+    ----------
+    dispatch : {"graph", "host", "auto"}
+    count_calls : bool
+        See :class:`~parallel_backend.executors.base.Executor`.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, parallel_backend as pb
+    >>> with pb.SerialExecutor() as ex:
+    ...     v = pb.reduce_sum(lambda x, m: -(x - m) ** 2, jnp.arange(4.0), 1.0, executor=ex)
+    >>> float(v)
+    -6.0
+    """
+
+    name = "serial"
+
+    def __init__(self, *, dispatch: str = "graph", count_calls: bool = True):
+        super().__init__(dispatch=dispatch, count_calls=count_calls)

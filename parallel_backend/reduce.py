@@ -1,0 +1,311 @@
+"""``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom VJP.
+
+This module owns the public primitive: validation at the boundary (before any
+tracing), the ``jax.custom_vjp`` that hands value and gradients to JAX autodiff,
+and the ``jax.pure_callback`` through which host executors evaluate chunks. It
+imports jax, numpy and the core modules; never NumPyro, dask or ArviZ.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from .blocks import plan_blocks
+from .executors.registry import resolve_executor
+from .site import Site, combine
+
+__all__ = ["reduce_sum"]
+
+
+def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None):
+    """Sum a pointwise log-density over the rows of ``data``, in parallel chunks.
+
+    The rows are cut into fixed-size blocks; an executor evaluates runs of blocks
+    (chunks), value and gradient, and the per-block partials are combined in block
+    order. The result equals ``fn(data, *shared).sum()`` and is bitwise the same
+    whichever executor, worker count or chunking evaluated it.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(data_chunk, *shared)`` returns the log-density of each row of
+        ``data_chunk``: an array of shape ``(rows_in_chunk,)``.
+    data : pytree of arrays
+        Every leaf has the same leading size ``N``, the axis that is split. Float
+        leaves may be parameters (per-row random effects) and get gradients.
+    *shared : pytrees
+        Passed whole to every chunk: parameters and small data.
+    executor : Executor or str, optional
+        Who evaluates the chunks; default: the innermost ``use_executor``, else
+        the default executor (``SerialExecutor``). Fixed when the call is traced.
+    grainsize : int, optional
+        Rows per chunk (rounded to whole blocks); ``None`` lets the chunker pick
+        from measured costs.
+    block_rows : int, optional
+        Rows per block. The default depends on ``N`` only. Results are bitwise
+        reproducible for a given ``block_rows``.
+
+    Returns
+    -------
+    jax.Array
+        A scalar.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not callable.
+    ValueError
+        Leaves of ``data`` with different leading sizes, ``grainsize < 1``, or an
+        output of ``fn`` that is not of shape ``(rows,)``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, parallel_backend as pb
+    >>> x = jnp.linspace(-1.0, 1.0, 5)
+    >>> def loglik(x, mu):
+    ...     return -0.5 * (x - mu) ** 2
+    >>> float(pb.reduce_sum(loglik, x, 0.5))
+    -1.875
+    >>> float(jax.grad(lambda m: pb.reduce_sum(loglik, x, m))(0.5))
+    -2.5
+    """
+    if not callable(fn):
+        raise TypeError(f"reduce_sum: fn must be callable, got {type(fn).__name__}")
+    if grainsize is not None:
+        if isinstance(grainsize, bool) or not isinstance(grainsize, (int, np.integer)):
+            raise TypeError(f"reduce_sum: grainsize must be an int or None, got {grainsize!r}")
+        if grainsize < 1:
+            raise ValueError(f"reduce_sum: grainsize must be >= 1 (rows per chunk), got {grainsize}")
+        grainsize = int(grainsize)
+    _check_closure(fn)
+
+    paths_leaves, data_treedef = jax.tree_util.tree_flatten_with_path(data)
+    if not paths_leaves:
+        raise ValueError("reduce_sum: data has no array leaves; it must hold the rows to split")
+    paths = [jax.tree_util.keystr(p) or "data" for p, _ in paths_leaves]
+    leaves = [_as_leaf(x, "data" + p if p != "data" else p) for p, (_, x) in zip(paths, paths_leaves)]
+    n_rows = _leading_size(paths, leaves)
+
+    shared_leaves, shared_treedef = jax.tree_util.tree_flatten(shared)
+    shared_leaves = [_as_leaf(x, "shared") for x in shared_leaves]
+
+    plan = plan_blocks(n_rows, block_rows)
+    if n_rows == 0:
+        return jnp.zeros((), _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
+    value_dtype = None
+    for rows in sorted({plan.block_rows if plan.n_full else 0, plan.tail_rows} - {0}):
+        value_dtype = _check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves,
+                                    rows, plan, paths)
+
+    executor = resolve_executor(executor)
+    resident = [None if _is_traced(x) else x for x in leaves]
+    x64 = bool(jax.config.jax_enable_x64)
+    key = (_fn_key(fn), data_treedef, shared_treedef, plan, x64,
+           tuple((id(x), x.shape, str(x.dtype)) if x is not None else None for x in resident),
+           tuple((jnp.shape(x), str(jnp.result_type(x))) for x in leaves),
+           tuple((jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves))
+    label = getattr(fn, "__name__", type(fn).__name__)
+    site = executor.site(key, lambda: Site(fn, data_treedef, shared_treedef, resident, plan,
+                                           value_dtype, x64, label=label))
+    if site.dispatch is None:
+        site.dispatch = executor.choose_dispatch(site, grainsize, leaves, shared_leaves)
+    traced = tuple(x for x in leaves if _is_traced(x))
+    return _reduce(site, executor, grainsize)(traced, tuple(shared_leaves))
+
+
+# -- the custom VJP ----------------------------------------------------------------
+
+
+def _reduce(site: Site, executor, grainsize):
+    """The differentiable function of (traced data leaves, shared leaves)."""
+
+    def partials(traced, shared, diff_traced, diff_shared):
+        if site.dispatch == "graph":
+            return site.graph_partials(traced, shared, diff_traced, diff_shared)
+        return _host_partials(site, executor, grainsize, traced, shared, diff_traced, diff_shared)
+
+    def counted(value):
+        if site.dispatch == "graph" and executor.count_calls:
+            return value + _graph_counter(executor, site, value)
+        return value
+
+    @jax.custom_vjp
+    def value(traced, shared):
+        no = (False,) * len(traced), (False,) * len(shared)
+        return counted(combine(*partials(traced, shared, *no))[0])
+
+    def fwd(traced, shared):
+        tv = tuple(p.value for p in traced)
+        sv = tuple(p.value for p in shared)
+        dt = tuple(bool(p.perturbed) and _is_float(p.value) for p in traced)
+        ds = tuple(bool(p.perturbed) and _is_float(p.value) for p in shared)
+        v, gs, gd = combine(*partials(tv, sv, dt, ds))
+        return counted(v), (_spread(gd, dt), _spread(gs, ds))
+
+    def bwd(res, ct):
+        gd, gs = res
+        if isinstance(ct, SymbolicZero):
+            return tuple(None for _ in gd), tuple(None for _ in gs)
+
+        def scale(g):
+            return None if g is None else (ct * g).astype(g.dtype)
+
+        return tuple(scale(g) for g in gd), tuple(scale(g) for g in gs)
+
+    value.defvjp(fwd, bwd, symbolic_zeros=True)
+    return value
+
+
+def _spread(grads, mask):
+    it = iter(grads)
+    return tuple(next(it) if m else None for m in mask)
+
+
+def _host_partials(site, executor, grainsize, traced, shared, diff_traced, diff_shared):
+    p = site.plan
+    shapes = (
+        jax.ShapeDtypeStruct((p.n_blocks,), site.value_dtype),
+        tuple(jax.ShapeDtypeStruct((p.n_blocks,) + jnp.shape(s), jnp.result_type(s))
+              for s, d in zip(shared, diff_shared) if d),
+        tuple(jax.ShapeDtypeStruct((p.n_rows,) + jnp.shape(t)[1:], jnp.result_type(t))
+              for t, d in zip(traced, diff_traced) if d),
+    )
+    orig_ndims = tuple(jnp.ndim(x) for x in (*traced, *shared))
+    callback = functools.partial(_host_callback, executor, site, grainsize, diff_traced,
+                                 diff_shared, orig_ndims, len(traced))
+    return jax.pure_callback(callback, shapes, *traced, *shared, vmap_method="expand_dims")
+
+
+def _host_callback(executor, site, grainsize, diff_traced, diff_shared, orig_ndims, n_traced,
+                   *args):
+    return executor.evaluate(site, grainsize, args[:n_traced], args[n_traced:], diff_traced,
+                             diff_shared, orig_ndims)
+
+
+def _graph_counter(executor, site, value):
+    """A zero that costs one tiny callback and counts one graph evaluation."""
+
+    def count(v):
+        executor.count_graph_call(site)
+        return np.zeros(np.shape(v), site.value_dtype)
+
+    return jax.pure_callback(count, jax.ShapeDtypeStruct(jnp.shape(value), site.value_dtype),
+                             value, vmap_method="expand_dims")
+
+
+# -- validation --------------------------------------------------------------------
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _as_leaf(x, where: str):
+    if _is_traced(x) or isinstance(x, (np.ndarray, jax.Array)):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:
+        raise TypeError(f"reduce_sum: {where} leaf of type {type(x).__name__} is not an array") from e
+
+
+def _leading_size(paths, leaves) -> int:
+    sizes = {}
+    for path, x in zip(paths, leaves):
+        shape = jnp.shape(x)
+        if len(shape) == 0:
+            raise ValueError(f"reduce_sum: data leaf {path} is a scalar (shape ()); every data leaf "
+                             "needs the leading row axis N. Pass scalars in *shared instead.")
+        sizes.setdefault(shape[0], []).append(f"{path}: {tuple(shape)}")
+    if len(sizes) > 1:
+        listing = "; ".join(s for group in sizes.values() for s in group)
+        raise ValueError("reduce_sum: data leaves must share the leading size N (the rows to split), "
+                         f"got {listing}")
+    return int(next(iter(sizes)))
+
+
+def _fn_key(fn):
+    """A key under which traces of the same model find the same site."""
+    if isinstance(fn, functools.partial):
+        return ("partial", _fn_key(fn.func), tuple(map(id, fn.args)),
+                tuple((k, id(v)) for k, v in fn.keywords.items()))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return fn
+    cells = tuple(id(c.cell_contents) for c in (fn.__closure__ or ()) if _cell_ok(c))
+    return code, cells, id(getattr(fn, "__self__", None))
+
+
+def _cell_ok(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _check_closure(fn) -> None:
+    objs = []
+    if isinstance(fn, functools.partial):
+        objs += list(fn.args) + list(fn.keywords.values())
+        fn = fn.func
+    objs += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_ok(c)]
+    for obj in objs:
+        if any(_is_traced(x) for x in jax.tree_util.tree_leaves(obj)):
+            raise ValueError(
+                "reduce_sum: fn closes over a traced value (a parameter of the model). Chunks may "
+                "run on other threads, processes or machines, so pass parameters explicitly: "
+                "reduce_sum(fn, data, param, ...) with fn(data_chunk, param, ...).")
+
+
+def _block_struct(leaves, rows):
+    return [jax.ShapeDtypeStruct((rows,) + tuple(jnp.shape(x))[1:], jnp.result_type(x)) for x in leaves]
+
+
+def _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
+    try:
+        out = jax.eval_shape(
+            lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
+                            *jax.tree_util.tree_unflatten(shared_treedef, s)),
+            _block_struct(leaves, rows), list(shared_leaves))
+        return out.dtype
+    except Exception:  # noqa: BLE001 - fn may not handle 0 rows; fall back to the default float
+        return jnp.result_type(float)
+
+
+def _check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows, plan, paths):
+    """Trace ``fn`` on a block's shapes: errors surface here, in the caller, before sampling."""
+    start = 0 if rows == plan.block_rows and plan.n_full else plan.n_full * plan.block_rows
+    try:
+        out = jax.eval_shape(
+            lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
+                            *jax.tree_util.tree_unflatten(shared_treedef, s)),
+            _block_struct(leaves, rows), list(shared_leaves))
+    except Exception as e:
+        e.add_note(f"reduce_sum: raised by fn on a chunk of rows [{start}, {start + rows}) "
+                   f"of data with leaves {', '.join(paths)}")
+        raise
+    if not hasattr(out, "shape"):
+        raise TypeError(f"reduce_sum: fn must return one array of shape ({rows},) for a chunk of "
+                        f"{rows} rows, got {type(out).__name__}")
+    if out.shape == ():
+        raise ValueError(
+            f"reduce_sum: fn returned a scalar for a chunk of {rows} rows; it must return the "
+            f"pointwise log-density, shape ({rows},). A Stan-style partial sum (fn(...).sum()) "
+            "is not accepted: drop the .sum(), reduce_sum does the summing.")
+    if out.shape != (rows,):
+        raise ValueError(f"reduce_sum: fn must return shape ({rows},) for a chunk of {rows} rows "
+                         f"(one log-density per row), got shape {out.shape}")
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        raise TypeError(f"reduce_sum: fn must return floating-point log-densities, got {out.dtype}")
+    return out.dtype

@@ -1,0 +1,8 @@
+"""NumPyro integration: ``factor``, a model statement backed by ``reduce_sum``.
+
+Imports numpyro and the core's public names.
+"""
+
+from .factor import factor, reduce_sum_sites
+
+__all__ = ["factor", "reduce_sum_sites"]

@@ -1,0 +1,67 @@
+"""``pb.factor``: a NumPyro factor site whose log-density is a ``reduce_sum``."""
+
+from __future__ import annotations
+
+try:
+    import numpyro
+except ImportError as e:  # pragma: no cover - numpyro is a core dependency
+    raise ImportError('parallel_backend.factor needs NumPyro: pip install "parallel-backend"') from e
+
+import parallel_backend as pb
+
+__all__ = ["factor", "reduce_sum_sites"]
+
+#: Key of a factor site's ``infer`` dict under which the reduce_sum inputs are kept.
+INFER_KEY = "parallel_backend"
+
+
+def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=None):
+    """Add ``reduce_sum(fn, data, *shared)`` to the model's log-density as site ``name``.
+
+    Like ``numpyro.factor``, but the log-density is evaluated chunk by chunk on an
+    executor, and the site remembers ``fn``, ``data`` and ``shared`` so that the
+    pointwise log-likelihood can be recomputed after sampling (LOO, WAIC).
+
+    Parameters
+    ----------
+    name : str
+        Site name.
+    fn, data, *shared, executor, grainsize, block_rows
+        As for :func:`parallel_backend.reduce_sum`.
+
+    Returns
+    -------
+    jax.Array
+        The summed log-density (also added to the joint log-density).
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import parallel_backend as pb
+    >>> y = jnp.array([0.1, -0.3, 0.4])
+    >>> def loglik(y, mu):
+    ...     return dist.Normal(mu, 1.0).log_prob(y)
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    ...     pb.factor("y", loglik, y, mu)
+    >>> tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(y)
+    >>> tr["y"]["type"], tr["y"]["fn"].log_prob(None).shape
+    ('sample', ())
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"factor: name must be a str, got {type(name).__name__}")
+    value = pb.reduce_sum(fn, data, *shared, executor=executor, grainsize=grainsize,
+                          block_rows=block_rows)
+    info = dict(fn=fn, data=data, shared=shared, executor=executor, grainsize=grainsize,
+                block_rows=block_rows)
+    # numpyro.factor is a sample site of an Unit distribution observed at nothing;
+    # the infer dict carries our inputs through handlers such as trace and substitute.
+    unit = numpyro.distributions.Unit(value)
+    numpyro.sample(name, unit, obs=value, infer={INFER_KEY: info})
+    return value
+
+
+def reduce_sum_sites(trace) -> dict:
+    """The ``pb.factor`` sites of a NumPyro trace: ``{name: info}``."""
+    return {name: site["infer"][INFER_KEY] for name, site in trace.items()
+            if site["type"] == "sample" and INFER_KEY in site.get("infer", {})}
