@@ -1,0 +1,84 @@
+"""Time one value-and-gradient evaluation: plain NumPyro against reduce_sum.
+
+Plain is ``jit(value_and_grad)`` of ``fn(data, *params).sum()``, the log-density
+NumPyro differentiates; the others are ``jit(value_and_grad)`` of
+``pb.reduce_sum(fn, data, *params)`` on each executor. Variants are timed in
+interleaved rounds (so drift hits all alike) and reported as medians and as
+ratios to plain (> 1: faster than plain).
+
+    python benchmarks/bench_gradients.py --dtype float32
+    taskset -c 0 python benchmarks/bench_gradients.py --dtype float32 --only plain
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--likelihoods", default="logistic_1M,negbin_1M,hmm_50k,logistic_1k")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    ap.add_argument("--only", default=None, help="comma list of variants to run")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every N by this")
+    ap.add_argument("--json", default=None, help="append results as JSON lines here")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    import numpy as np
+
+    import parallel_backend as pb
+    from likelihoods import LIKELIHOODS
+
+    dtype = np.dtype(args.dtype)
+    cores = len(os.sched_getaffinity(0))
+    for name in args.likelihoods.split(","):
+        make, n = LIKELIHOODS[name]
+        n = max(1, int(n * args.scale))
+        fn, data, params = make(n, dtype)
+        argnums = tuple(range(len(params)))
+        variants = {"plain": jax.jit(jax.value_and_grad(
+            lambda *p: fn(data, *p).sum(), argnums=argnums))}
+        executors = {"serial": pb.SerialExecutor(),
+                     "thread": pb.ThreadExecutor(),
+                     "thread_host": pb.ThreadExecutor(dispatch="host")}
+        for key, ex in executors.items():
+            variants[key] = jax.jit(jax.value_and_grad(
+                lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex), argnums=argnums))
+        if args.only:
+            variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
+        times = {k: [] for k in variants}
+        for f in variants.values():  # compile, calibrate, let the chunker settle
+            for _ in range(6):
+                jax.block_until_ready(f(*params))
+        for _ in range(args.rounds):
+            for k, f in variants.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*params))
+                times[k].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        row = dict(likelihood=name, n=n, dtype=args.dtype, cores=cores,
+                   seconds=med, sites={k: ex.stats()["sites"] for k, ex in executors.items()})
+        base = med.get("plain")
+        ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
+        print(f"{name:12s} N={n:>9,} {args.dtype} cores={cores} plain={base * 1e3 if base else float('nan'):.3f}ms "
+              f"{ratios}  " + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in med.items()), flush=True)
+        if args.json:
+            with open(args.json, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        for ex in executors.values():
+            ex.close()
+
+
+if __name__ == "__main__":
+    main()

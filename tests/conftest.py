@@ -1,0 +1,280 @@
+"""Shared fixtures: precision, executors, test problems and tree assertions.
+
+Everything here is real: real executors, real JAX transformations, no mocks.
+Helpers reach the tests as fixtures (``make_problem``, ``assert_close``,
+``assert_identical``) because test modules are imported with
+``--import-mode=importlib`` and cannot import this file by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import parallel_backend as pb
+
+# -- precision -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def jax_x64(enabled: bool):
+    """Set ``jax_enable_x64`` for the block, then restore it: the flag is process-global."""
+    before = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", enabled)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture
+def x64():
+    """Float64 for one test."""
+    with jax_x64(True):
+        yield np.dtype("float64")
+
+
+@pytest.fixture(params=["float64", "float32"])
+def precision(request):
+    """Run the test once in float64 and once in float32; yields the float dtype."""
+    with jax_x64(request.param == "float64"):
+        yield np.dtype(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_global_state():
+    """Fail loudly if a test leaves x64 on or a default executor set."""
+    x64_before = bool(jax.config.jax_enable_x64)
+    yield
+    assert bool(jax.config.jax_enable_x64) == x64_before, "a test leaked jax_enable_x64"
+    pb.set_default_executor(None)
+
+
+# -- executors -------------------------------------------------------------------------
+
+#: Every executor configuration the tests use, by id. "host" runs chunks through the
+#: host callback on the executor's workers; the default SerialExecutor keeps the block
+#: loop in the XLA graph (the reference); the default ThreadExecutor measures ("auto").
+EXECUTORS: dict[str, Callable[[], pb.Executor]] = {
+    "serial": lambda: pb.SerialExecutor(),
+    "serial-host": lambda: pb.SerialExecutor(dispatch="host"),
+    "thread1-host": lambda: pb.ThreadExecutor(1, dispatch="host"),
+    "thread2-host": lambda: pb.ThreadExecutor(2, dispatch="host"),
+    "thread4-host": lambda: pb.ThreadExecutor(4, dispatch="host"),
+    "thread2": lambda: pb.ThreadExecutor(2),
+}
+
+
+@pytest.fixture(params=["serial", "serial-host", "thread2-host"])
+def executor(request):
+    """A fresh executor, closed after the test. Override the ids with
+    ``@pytest.mark.parametrize("executor", [...], indirect=True)``."""
+    with EXECUTORS[request.param]() as ex:
+        yield ex
+
+
+@pytest.fixture
+def make_executor():
+    """``make_executor(id)``: fresh executors from :data:`EXECUTORS`, all closed after the test."""
+    made = []
+
+    def make(name: str) -> pb.Executor:
+        ex = EXECUTORS[name]()
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
+
+
+# -- test problems -----------------------------------------------------------------------
+
+
+class Problem(NamedTuple):
+    """A pointwise log-density with its data and the parameters to differentiate.
+
+    ``args = (row_params, params)`` are what tests differentiate: ``row_params`` are
+    per-row parameters (a dict merged into ``data``, possibly empty) and ``params``
+    are unconstrained parameters that ``constrain`` maps to the ``*shared`` of
+    ``fn``, in the caller's graph, as a NumPyro model does.
+    """
+
+    fn: Callable
+    data: Any
+    row_params: dict
+    params: Any
+    constrain: Callable
+
+    @property
+    def args(self) -> tuple:
+        return self.row_params, self.params
+
+    @property
+    def n_rows(self) -> int:
+        return int(jax.tree.leaves(self.data)[0].shape[0])
+
+    def rows(self, row_params):
+        """The ``data`` pytree handed to ``fn``: the fixed data plus the row parameters."""
+        return {**self.data, **row_params} if row_params else self.data
+
+    def split(self, executor=None, **kwargs) -> Callable:
+        """``f(row_params, params)`` summed by ``pb.reduce_sum``."""
+
+        def f(row_params, params):
+            return pb.reduce_sum(self.fn, self.rows(row_params), *self.constrain(params),
+                                 executor=executor, **kwargs)
+
+        return f
+
+    def unsplit(self) -> Callable:
+        """``f(row_params, params)`` as the plain sum ``fn(data, *shared).sum()``."""
+
+        def f(row_params, params):
+            return self.fn(self.rows(row_params), *self.constrain(params)).sum()
+
+        return f
+
+    def batch(self, k: int) -> tuple:
+        """``k`` different parameter sets, stacked on a leading axis (for ``vmap``)."""
+        scales = jnp.linspace(0.5, 1.5, k)
+
+        def stack(x):
+            return jnp.stack([(x * s).astype(x.dtype) for s in scales])
+
+        return jax.tree.map(stack, self.args)
+
+    def take(self, n: int) -> "Problem":
+        """The same problem on the first ``n`` rows."""
+        first = lambda x: x[:n]  # noqa: E731
+        return self._replace(data=jax.tree.map(first, self.data),
+                             row_params=jax.tree.map(first, self.row_params))
+
+
+def _float(x):
+    """An array of the current default float (float64 under x64)."""
+    return jnp.asarray(x, jnp.result_type(float))
+
+
+def _identity(params):
+    return params
+
+
+def logistic(n: int, rng) -> Problem:
+    """Logistic regression; ``data`` is a dict with a float matrix and int labels."""
+    X = rng.normal(size=(n, 3))
+    y = (rng.random(n) < 1 / (1 + np.exp(-(X @ [1.0, -2.0, 0.5] + 0.3)))).astype(np.int32)
+
+    def loglik(d, beta, intercept):
+        eta = d["X"] @ beta + intercept
+        return jnp.where(d["y"] == 1, jax.nn.log_sigmoid(eta), jax.nn.log_sigmoid(-eta))
+
+    params = (_float([0.8, -1.5, 0.2]), _float(0.1))
+    return Problem(loglik, {"X": _float(X), "y": jnp.asarray(y)}, {}, params, _identity)
+
+
+def normal_array(n: int, rng) -> Problem:
+    """A normal likelihood; ``data`` is one plain array; the scale is ``exp`` in the caller."""
+
+    def loglik(y, mu, sigma):
+        return -0.5 * ((y - mu) / sigma) ** 2 - jnp.log(sigma)
+
+    def constrain(params):
+        mu, log_sigma = params
+        return mu, jnp.exp(log_sigma)
+
+    return Problem(loglik, _float(rng.normal(1.0, 2.0, size=n)), {},
+                   (_float(0.7), _float(0.4)), constrain)
+
+
+def random_effects(n: int, rng, groups: int = 5) -> Problem:
+    """Per-row random effects ``u`` inside ``data``, int group ids, a dict of shared params."""
+    group = rng.integers(0, groups, size=n).astype(np.int32)
+    y = rng.normal(size=n) + np.linspace(-1, 1, groups)[group]
+
+    def loglik(d, p):
+        mean = p["mu"] + p["tau"][d["group"]] + d["u"]
+        return -0.5 * ((d["y"] - mean) / p["sigma"]) ** 2 - jnp.log(p["sigma"]) - 0.5 * d["u"] ** 2
+
+    def constrain(params):
+        return ({"mu": params["mu"], "tau": params["tau"], "sigma": jnp.exp(params["log_sigma"])},)
+
+    data = {"y": _float(y), "group": jnp.asarray(group)}
+    row_params = {"u": _float(0.1 * rng.normal(size=n))}
+    params = {"mu": _float(0.2), "tau": _float(np.linspace(-0.5, 0.5, groups)),
+              "log_sigma": _float(-0.1)}
+    return Problem(loglik, data, row_params, params, constrain)
+
+
+def poisson_nested(n: int, rng) -> Problem:
+    """Poisson regression; nested ``data`` with int counts and float exposures."""
+    X = rng.normal(size=(n, 2))
+    exposure = rng.uniform(0.5, 2.0, size=n)
+    counts = rng.poisson(exposure * np.exp(X @ [0.3, -0.2])).astype(np.int32)
+
+    def loglik(d, beta):
+        rate = d["obs"]["exposure"] * jnp.exp(d["X"] @ beta)
+        k = d["obs"]["counts"]
+        return k * jnp.log(rate) - rate - jax.scipy.special.gammaln(k + 1.0)
+
+    data = {"obs": {"counts": jnp.asarray(counts), "exposure": _float(exposure)}, "X": _float(X)}
+    return Problem(loglik, data, {}, (_float([0.1, 0.1]),), _identity)
+
+
+PROBLEMS = {"logistic": logistic, "normal_array": normal_array,
+            "random_effects": random_effects, "poisson_nested": poisson_nested}
+
+
+@pytest.fixture
+def make_problem():
+    """``make_problem(name, n=1000, seed=0)``: a :class:`Problem` in the current precision."""
+
+    def make(name: str, n: int = 1000, seed: int = 0) -> Problem:
+        return PROBLEMS[name](n, np.random.default_rng(seed))
+
+    return make
+
+
+# -- assertions -------------------------------------------------------------------------
+
+
+def _pairs(actual, expected):
+    a_leaves, a_def = jax.tree.flatten(actual)
+    e_leaves, e_def = jax.tree.flatten(expected)
+    assert a_def == e_def, f"tree structures differ: {a_def} vs {e_def}"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+    return zip(paths, map(np.asarray, a_leaves), map(np.asarray, e_leaves))
+
+
+def _assert_close(actual, expected, rtol: float):
+    """Leafwise ``allclose``; the absolute slack is ``rtol`` times the leaf's largest entry."""
+    for path, a, e in _pairs(actual, expected):
+        assert a.shape == e.shape, f"{path}: shape {a.shape} != {e.shape}"
+        assert a.dtype == e.dtype, f"{path}: dtype {a.dtype} != {e.dtype}"
+        scale = float(np.max(np.abs(e), initial=0.0)) if e.size else 0.0
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=path)
+
+
+def _assert_identical(actual, expected):
+    """Leafwise bitwise equality (NaNs equal to NaNs)."""
+    for path, a, e in _pairs(actual, expected):
+        assert a.dtype == e.dtype, f"{path}: dtype {a.dtype} != {e.dtype}"
+        assert np.array_equal(a, e, equal_nan=True), (
+            f"{path} differs: max |diff| {np.max(np.abs(a.astype(float) - e.astype(float)))}")
+
+
+@pytest.fixture
+def assert_close():
+    """``assert_close(actual, expected, rtol)`` over two pytrees."""
+    return _assert_close
+
+
+@pytest.fixture
+def assert_identical():
+    """``assert_identical(actual, expected)``: bitwise equal pytrees."""
+    return _assert_identical
