@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from ._version import __version__
+from .errors import ChunkError
 from .blocks import BlockPlan, plan_blocks, tree_sum
 from .executors import (Executor, SerialExecutor, ThreadExecutor, get_default_executor,
                         known_executors, make_executor, set_default_executor, use_executor)
@@ -19,6 +20,7 @@ __all__ = [
     "__version__",
     "reduce_sum",
     "Executor",
+    "ChunkError",
     "SerialExecutor",
     "ThreadExecutor",
     "use_executor",

@@ -130,15 +130,19 @@ def _reduce(site: Site, executor, grainsize):
             return site.graph_partials(traced, shared, diff_traced, diff_shared)
         return _host_partials(site, executor, grainsize, traced, shared, diff_traced, diff_shared)
 
-    def counted(value):
-        if site.dispatch == "graph" and executor.count_calls:
-            return value + _graph_counter(executor, site, value)
-        return value
+    counting = site.dispatch == "graph" and executor.count_calls
+
+    def counter(v):
+        # A zero from a host callback that counts the evaluation; adding it keeps the
+        # callback alive (not dead code) wherever the value or the gradient is used.
+        return _graph_counter(executor, site, v) if counting else None
 
     @jax.custom_vjp
     def value(traced, shared):
         no = (False,) * len(traced), (False,) * len(shared)
-        return counted(combine(*partials(traced, shared, *no))[0])
+        v = combine(*partials(traced, shared, *no))[0]
+        zero = counter(v)
+        return v if zero is None else v + zero
 
     def fwd(traced, shared):
         tv = tuple(p.value for p in traced)
@@ -146,12 +150,17 @@ def _reduce(site: Site, executor, grainsize):
         dt = tuple(bool(p.perturbed) and _is_float(p.value) for p in traced)
         ds = tuple(bool(p.perturbed) and _is_float(p.value) for p in shared)
         v, gs, gd = combine(*partials(tv, sv, dt, ds))
-        return counted(v), (_spread(gd, dt), _spread(gs, ds))
+        zero = counter(v)
+        if zero is not None:
+            v = v + zero
+        return v, (_spread(gd, dt), _spread(gs, ds), zero)
 
     def bwd(res, ct):
-        gd, gs = res
+        gd, gs, zero = res
         if isinstance(ct, SymbolicZero):
             return tuple(None for _ in gd), tuple(None for _ in gs)
+        if zero is not None:
+            ct = ct + zero
 
         def scale(g):
             return None if g is None else (ct * g).astype(g.dtype)

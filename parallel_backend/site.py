@@ -30,6 +30,7 @@ from jax import lax
 
 from .blocks import BlockPlan, tree_sum
 from .chunking import Chunk
+from .errors import ChunkError
 
 __all__ = ["Site", "ChunkResult", "combine"]
 
@@ -201,12 +202,15 @@ class Site:
         t0 = time.perf_counter()
         resident = self.device_resident() if resident is None else resident
         parts = []
-        with jax.enable_x64(self.x64):
-            for rows, length, row0 in self._segments(chunk.first, chunk.count):
-                fn = self.compiled(rows, length, diff_traced, diff_shared, in_axes)
-                parts.append(fn(resident, traced, shared, np.int32(row0), np.int32(length)))
-            values, g_shared, g_data = _concat_parts(parts, batch_ndim=0 if in_axes is None else 1)
-            out = jax.device_get((values, g_shared, g_data))
+        try:
+            with jax.enable_x64(self.x64):
+                for rows, length, row0 in self._segments(chunk.first, chunk.count):
+                    fn = self.compiled(rows, length, diff_traced, diff_shared, in_axes)
+                    parts.append(fn(resident, traced, shared, np.int32(row0), np.int32(length)))
+                values, g_shared, g_data = _concat_parts(parts, batch_ndim=0 if in_axes is None else 1)
+                out = jax.device_get((values, g_shared, g_data))
+        except Exception as e:
+            raise ChunkError.wrap(e, chunk.rows(self.plan), self.label) from e
         return ChunkResult(chunk, out[0], tuple(out[1]), tuple(out[2]), time.perf_counter() - t0)
 
     def assemble(self, results, batch_shape, diff_traced_shapes, diff_shared_shapes):

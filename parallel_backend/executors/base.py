@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..chunking import AdaptiveChunker, fixed_chunks
+from ..errors import ChunkError
 from ..site import ChunkResult, Site
 
 __all__ = ["Executor", "DISPATCH_MODES"]
@@ -122,7 +123,10 @@ class Executor:
         chunks = (site.chunker.chunks() if grainsize is None
                   else fixed_chunks(site.plan, grainsize))
         args = (traced, shared, diff_traced, diff_shared, in_axes)
-        results = self.map_chunks(site, chunks, args)
+        try:
+            results = self.map_chunks(site, chunks, args)
+        except ChunkError as e:
+            raise ChunkError.wrap(e, e.rows, site.label, self.name) from e.__cause__
         wall = time.perf_counter() - t0
         busy = sum(r.seconds for r in results)
         if grainsize is None and results:
