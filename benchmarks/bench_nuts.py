@@ -54,7 +54,7 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
     mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, num_chains=chains,
                 chain_method="vectorized", progress_bar=False)
     t0 = time.perf_counter()
-    mcmc.run(jax.random.PRNGKey(seed))
+    mcmc.run(jax.random.PRNGKey(seed), extra_fields=("num_steps",))
     jax.block_until_ready(mcmc.get_samples())
     seconds = time.perf_counter() - t0
     stats = executor.stats() if executor is not None else {}

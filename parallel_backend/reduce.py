@@ -201,7 +201,7 @@ def _graph_counter(executor, site, value):
     """A zero that costs one tiny callback and counts one graph evaluation."""
 
     def count(v):
-        executor.count_graph_call(site)
+        executor.count_graph_call(site, batch=max(int(np.size(v)), 1))
         return np.zeros(np.shape(v), site.value_dtype)
 
     return jax.pure_callback(count, jax.ShapeDtypeStruct(jnp.shape(value), site.value_dtype),

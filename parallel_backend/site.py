@@ -163,23 +163,29 @@ class Site:
     def graph_partials(self, traced, shared, diff_traced, diff_shared):
         """Per-block partials of all blocks, computed inside the caller's graph."""
         resident = tuple(None if r is None else jnp.asarray(r) for r in self.resident)
+        # The barrier makes the loop's inputs opaque, as they are on the host: XLA may
+        # neither fold the data constants into fn's code nor fuse the caller's
+        # computation of a parameter (exp(log_sigma), say) into the loop body, either
+        # of which would change the rounding.
+        resident, traced, shared = lax.optimization_barrier(
+            (resident, tuple(traced), tuple(shared)))
         parts = []
         for rows, length, row0 in self._segments(0, self.plan.n_blocks):
-            # The barrier hides the constants so the loop is compiled as on the host.
             row0, count = lax.optimization_barrier((jnp.int32(row0), jnp.int32(length)))
             run = self.block_loop(rows, length, diff_traced, diff_shared)
-            parts.append(run(resident, tuple(traced), tuple(shared), row0, count))
+            parts.append(run(resident, traced, shared, row0, count))
         return _concat_parts(parts, batch_ndim=0)
 
     # -- host path ---------------------------------------------------------------
 
     def device_resident(self):
-        """The concrete data leaves as device arrays, made once."""
+        """The concrete data leaves as arrays on the host CPU device, made once."""
         if self._device_resident is None:
             with self._lock:
                 if self._device_resident is None:
+                    cpu = host_device()
                     self._device_resident = tuple(
-                        None if r is None else jax.device_put(r) for r in self.resident)
+                        None if r is None else jax.device_put(r, cpu) for r in self.resident)
         return self._device_resident
 
     def compiled(self, rows: int, length: int, diff_traced, diff_shared, in_axes):
@@ -203,7 +209,9 @@ class Site:
         resident = self.device_resident() if resident is None else resident
         parts = []
         try:
-            with jax.enable_x64(self.x64):
+            # The same precision and device on every thread, so every thread hits the
+            # same compiled chunk (pure_callback's thread has a default device set).
+            with jax.enable_x64(self.x64), jax.default_device(host_device()):
                 for rows, length, row0 in self._segments(chunk.first, chunk.count):
                     fn = self.compiled(rows, length, diff_traced, diff_shared, in_axes)
                     parts.append(fn(resident, traced, shared, np.int32(row0), np.int32(length)))
@@ -234,6 +242,11 @@ class Site:
         p = self.plan
         return (f"Site({self.label}, rows={p.n_rows}, block_rows={p.block_rows}, "
                 f"blocks={p.n_blocks}, dispatch={self.dispatch})")
+
+
+def host_device():
+    """The CPU device on which host-path chunks run."""
+    return jax.devices("cpu")[0]
 
 
 def _merge(full, subset, mask):

@@ -79,8 +79,8 @@ def executor(request):
 
 
 @pytest.fixture
-def make_executor():
-    """``make_executor(id)``: fresh executors from :data:`EXECUTORS`, all closed after the test."""
+def fresh_executor():
+    """``fresh_executor(id)``: fresh executors from :data:`EXECUTORS`, all closed after the test."""
     made = []
 
     def make(name: str) -> pb.Executor:
@@ -148,12 +148,6 @@ class Problem(NamedTuple):
             return jnp.stack([(x * s).astype(x.dtype) for s in scales])
 
         return jax.tree.map(stack, self.args)
-
-    def take(self, n: int) -> "Problem":
-        """The same problem on the first ``n`` rows."""
-        first = lambda x: x[:n]  # noqa: E731
-        return self._replace(data=jax.tree.map(first, self.data),
-                             row_params=jax.tree.map(first, self.row_params))
 
 
 def _float(x):
@@ -226,8 +220,51 @@ def poisson_nested(n: int, rng) -> Problem:
     return Problem(loglik, data, {}, (_float([0.1, 0.1]),), _identity)
 
 
+def negbin(n: int, rng) -> Problem:
+    """Negative-binomial regression with an overdispersion parameter on the log scale."""
+    X = rng.normal(size=(n, 3)) / np.sqrt(3)
+    mu = np.exp(1.0 + X @ [0.5, -0.3, 0.2])
+    y = rng.negative_binomial(5.0, 5.0 / (5.0 + mu))
+
+    def loglik(d, alpha, beta, log_phi):
+        phi = jnp.exp(log_phi)
+        log_mu = alpha + d["X"] @ beta
+        log_total = jnp.logaddexp(log_phi, log_mu)
+        y = d["y"]
+        return (jax.scipy.special.gammaln(y + phi) - jax.scipy.special.gammaln(phi)
+                - jax.scipy.special.gammaln(y + 1.0)
+                + phi * (log_phi - log_total) + y * (log_mu - log_total))
+
+    params = (_float(0.9), _float([0.4, -0.2, 0.1]), _float(np.log(4.0)))
+    return Problem(loglik, {"X": _float(X), "y": _float(y)}, {}, params, _identity)
+
+
+def hmm(n: int, rng, steps: int = 12, states: int = 3) -> Problem:
+    """A Gaussian HMM per row (the forward algorithm over ``steps`` observations)."""
+    means = np.linspace(-2.0, 2.0, states)
+    obs = means[rng.integers(0, states, size=(n, steps))] + rng.normal(size=(n, steps))
+
+    def loglik(y, logits, mu, log_sigma):
+        log_trans = jax.nn.log_softmax(logits, axis=-1)
+
+        def emit(y_t):  # (rows,) -> (rows, states)
+            z = (y_t[:, None] - mu) / jnp.exp(log_sigma)
+            return -0.5 * z * z - log_sigma
+
+        def step(alpha, y_t):
+            alpha = jax.scipy.special.logsumexp(alpha[:, :, None] + log_trans, axis=1)
+            return alpha + emit(y_t), None
+
+        alpha, _ = jax.lax.scan(step, emit(y[:, 0]) - jnp.log(float(states)), y[:, 1:].T)
+        return jax.scipy.special.logsumexp(alpha, axis=-1)
+
+    params = (_float(2.0 * np.eye(states)), _float(means * 0.9), _float(0.1))
+    return Problem(loglik, _float(obs), {}, params, _identity)
+
+
 PROBLEMS = {"logistic": logistic, "normal_array": normal_array,
-            "random_effects": random_effects, "poisson_nested": poisson_nested}
+            "random_effects": random_effects, "poisson_nested": poisson_nested,
+            "negbin": negbin, "hmm": hmm}
 
 
 @pytest.fixture

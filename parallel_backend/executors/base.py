@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import numpy as np
@@ -102,7 +103,11 @@ class Executor:
             return self.dispatch
         if self.workers < 2 or site.plan.n_blocks < 2:
             return "graph"
-        timing = calibrate(self, site, grainsize, data_leaves, shared_leaves)
+        # Measure on a thread of its own: this runs while the caller's jit is tracing,
+        # and on this thread every jax operation would be staged into that trace.
+        with ThreadPoolExecutor(1, thread_name_prefix="parallel_backend_calibrate") as pool:
+            timing = pool.submit(calibrate, self, site, grainsize, data_leaves,
+                                 shared_leaves).result()
         site.timing = timing
         if timing["graph"] < GRAPH_ALWAYS_SECONDS:
             return "graph"
@@ -148,9 +153,9 @@ class Executor:
         out = site.assemble(results, flat_batch, shapes_t, shapes_s)
         return jax_tree_reshape(out, flat_batch, batch_shape)
 
-    def count_graph_call(self, site: Site) -> None:
-        """Record one evaluation that ran inside the graph."""
-        self._count(graph_calls=1, calls=1, chunks=1, rows=site.plan.n_rows)
+    def count_graph_call(self, site: Site, batch: int = 1) -> None:
+        """Record one evaluation that ran inside the graph (``batch`` parameter sets)."""
+        self._count(graph_calls=1, calls=1, chunks=1, rows=site.plan.n_rows * batch)
 
     # -- bookkeeping ---------------------------------------------------------------
 

@@ -24,7 +24,8 @@ def value_and_grads(f, args):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args)
 
 
-@pytest.mark.parametrize("name", ["logistic", "normal_array", "random_effects", "poisson_nested"])
+@pytest.mark.parametrize("name", ["logistic", "normal_array", "random_effects", "poisson_nested",
+                                  "negbin", "hmm"])
 def test_value_and_grad_match_unsplit_sum(x64, executor, make_problem, assert_close, name):
     problem = make_problem(name)
     got = value_and_grads(problem.split(executor, block_rows=BLOCK_ROWS), problem.args)
@@ -59,7 +60,7 @@ def test_row_counts(x64, executor, make_problem, assert_close, n, block_rows):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_no_rows_gives_zero(x64, executor, make_problem, jit):
-    problem = make_problem("random_effects").take(0)
+    problem = make_problem("random_effects", n=0)
     f = jax.value_and_grad(problem.split(executor), argnums=(0, 1))
     value, (g_rows, g_params) = (jax.jit(f) if jit else f)(*problem.args)
     assert value.shape == () and float(value) == 0.0

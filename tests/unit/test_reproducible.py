@@ -1,13 +1,17 @@
 """Bitwise reproducibility: the value and every gradient are the same bits whichever
 executor, worker count or chunk size evaluated them.
 
-The reference is the in-graph ``SerialExecutor()``. The shared scale parameter is
-``exp`` of an unconstrained one, computed in the caller's graph as NumPyro does, so
-the in-graph path must not let XLA fuse or simplify across the ``reduce_sum`` boundary.
+The reference is the in-graph ``SerialExecutor()``. The problem has per-row
+parameters inside ``data`` and a scale that is ``exp`` of an unconstrained parameter,
+computed in the caller's graph as a NumPyro model does it: the in-graph path must not
+let XLA fuse or simplify across the ``reduce_sum`` boundary.
 """
 
 import jax
+import numpy as np
 import pytest
+
+import parallel_backend as pb
 
 N = 1000
 #: 16 blocks: 15 of 64 rows and a tail of 40.
@@ -15,15 +19,13 @@ BLOCK_ROWS = 64
 GRAINSIZES = {
     "one-block": BLOCK_ROWS,
     "three-blocks": 3 * BLOCK_ROWS,
-    "adaptive": None,
     "all-rows": N,
+    "adaptive": None,
 }
 BATCH = 4
 
-EXECUTOR_IDS = ["serial-host", "thread1-host", "thread2-host", "thread4-host", "thread2"]
 
-
-def evaluate(problem, executor, grainsize, batched):
+def evaluate(problem, executor, grainsize, batched=False):
     """Jitted value and gradients, over ``BATCH`` parameter sets when ``batched``."""
     f = jax.value_and_grad(problem.split(executor, block_rows=BLOCK_ROWS, grainsize=grainsize),
                            argnums=(0, 1))
@@ -32,17 +34,65 @@ def evaluate(problem, executor, grainsize, batched):
     return jax.jit(f)(*problem.args)
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["single", "vmap"])
-@pytest.mark.parametrize("executor", EXECUTOR_IDS, indirect=True)
-def test_bitwise_identical_to_serial(precision, executor, make_executor, make_problem,
-                                     assert_identical, batched):
+_references: dict = {}
+
+
+@pytest.fixture
+def reference(precision, make_problem):
+    """``reference(batched, name)``: the in-graph serial result, computed once per precision."""
+
+    def get(batched: bool, name: str = "random_effects"):
+        key = (precision, batched, name)
+        if key not in _references:
+            with pb.SerialExecutor() as serial:
+                out = evaluate(make_problem(name, n=N), serial, None, batched)
+            _references[key] = jax.tree.map(np.asarray, out)
+        return _references[key]
+
+    return get
+
+
+def check(problem, executor, grainsize, expected, batched, assert_identical):
+    # The adaptive chunker changes its chunks after measuring: call it a few times.
+    for call in range(1 if grainsize else 3):
+        got = evaluate(problem, executor, grainsize, batched)
+        try:
+            assert_identical(got, expected)
+        except AssertionError as e:
+            raise AssertionError(f"call {call}: {e}") from e
+
+
+#: Every grainsize on two threads; each other executor with one of them.
+CASES = [("thread2-host", g) for g in GRAINSIZES] + [
+    ("serial-host", "three-blocks"),
+    ("thread1-host", "adaptive"),
+    ("thread4-host", "one-block"),
+    ("thread2", "adaptive"),  # the default dispatch: measures graph against host first
+]
+
+
+@pytest.mark.parametrize("executor, grainsize", [
+    pytest.param(e, g, id=f"{e}-{g}") for e, g in CASES], indirect=["executor"])
+def test_bitwise_identical_to_serial(executor, make_problem, reference, assert_identical,
+                                     grainsize):
     problem = make_problem("random_effects", n=N)
-    reference = evaluate(problem, make_executor("serial"), None, batched)
-    for label, grainsize in GRAINSIZES.items():
-        # Twice: the adaptive chunker may change its chunks after the first call.
-        for call in range(2):
-            got = evaluate(problem, executor, grainsize, batched)
-            try:
-                assert_identical(got, reference)
-            except AssertionError as e:
-                raise AssertionError(f"grainsize {label} ({grainsize}), call {call}: {e}") from e
+    check(problem, executor, GRAINSIZES[grainsize], reference(False), False, assert_identical)
+
+
+@pytest.mark.parametrize("executor, grainsize", [
+    pytest.param(e, g, id=f"{e}-{g}")
+    for e, g in [("serial-host", "one-block"), ("thread4-host", "adaptive")]],
+    indirect=["executor"])
+def test_bitwise_identical_to_serial_under_vmap(executor, make_problem, reference,
+                                                assert_identical, grainsize):
+    problem = make_problem("random_effects", n=N)
+    check(problem, executor, GRAINSIZES[grainsize], reference(True), True, assert_identical)
+
+
+@pytest.mark.parametrize("name", ["logistic", "negbin", "hmm"])
+def test_bitwise_identical_across_likelihoods(fresh_executor, make_problem, reference,
+                                              assert_identical, name):
+    problem, executor = make_problem(name, n=N), fresh_executor("thread2-host")
+    for grainsize in ["three-blocks", "adaptive"]:
+        check(problem, executor, GRAINSIZES[grainsize], reference(False, name), False,
+              assert_identical)

@@ -1,0 +1,142 @@
+"""Block plans, the fixed-order ``tree_sum`` and the chunk plans built on them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallel_backend.blocks import MIN_BLOCK_ROWS, TARGET_BLOCKS, BlockPlan, plan_blocks, tree_sum
+from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
+
+# -- plan_blocks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_rows, block_rows, expected", [
+    (0, None, BlockPlan(0, 1, 0, 0)),
+    (1, None, BlockPlan(1, 1, 1, 0)),
+    (1000, None, BlockPlan(1000, 1000, 1, 0)),
+    (10_000, None, BlockPlan(10_000, 1024, 9, 784)),
+    (1000, 256, BlockPlan(1000, 256, 3, 232)),
+    (1024, 256, BlockPlan(1024, 256, 4, 0)),
+    (3, 256, BlockPlan(3, 256, 0, 3)),
+    (5, 1, BlockPlan(5, 1, 5, 0)),
+])
+def test_plan_blocks(n_rows, block_rows, expected):
+    assert plan_blocks(n_rows, block_rows) == expected
+
+
+@pytest.mark.parametrize("n_rows", [0, 1, 7, 1023, 1024, 1025, 65_537, 1_000_000, 10**8])
+def test_default_plan_tiles_the_rows(n_rows):
+    plan = plan_blocks(n_rows)
+    assert plan.n_full * plan.block_rows + plan.tail_rows == n_rows
+    assert 0 <= plan.tail_rows < plan.block_rows
+    ranges = [plan.block_range(b) for b in range(plan.n_blocks)]
+    if n_rows:
+        assert ranges[0][0] == 0 and ranges[-1][1] == n_rows
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if n_rows > MIN_BLOCK_ROWS:
+        assert plan.block_rows >= MIN_BLOCK_ROWS
+        assert plan.block_rows & (plan.block_rows - 1) == 0  # a power of two
+        assert plan.n_blocks <= TARGET_BLOCKS
+
+
+@pytest.mark.parametrize("n_rows, block_rows", [(-1, None), (10, 0), (10, -4)])
+def test_plan_blocks_rejects_bad_sizes(n_rows, block_rows):
+    with pytest.raises(ValueError, match=">= 0|>= 1"):
+        plan_blocks(n_rows, block_rows)
+
+
+def test_block_range():
+    plan = plan_blocks(1000, 256)
+    assert [plan.block_range(b) for b in range(plan.n_blocks)] == [
+        (0, 256), (256, 512), (512, 768), (768, 1000)]
+
+
+# -- tree_sum ---------------------------------------------------------------------------
+
+
+def pairwise_reference(x):
+    """The documented order, in plain numpy: halves added elementwise, odd one carried."""
+    x = np.asarray(x)
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        head = x[:half] + x[half:2 * half]
+        x = np.concatenate([head, x[2 * half:]]) if x.shape[0] % 2 else head
+    return x[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 33, 1000])
+def test_tree_sum_equals_sum(x64, n):
+    x = np.random.default_rng(n).normal(size=n)
+    np.testing.assert_allclose(jax.jit(tree_sum)(x), x.sum(), rtol=1e-12, atol=1e-12)
+    ints = np.arange(n, dtype=np.int32)
+    assert int(jax.jit(tree_sum)(ints)) == ints.sum()
+
+
+@pytest.mark.parametrize("n", [2, 5, 64, 999])
+def test_tree_sum_has_a_fixed_order(precision, n):
+    # Values spread over many magnitudes, so a different order would round differently.
+    rng = np.random.default_rng(n)
+    x = (rng.normal(size=n) * 10.0 ** rng.integers(-6, 7, size=n)).astype(precision)
+    expected = pairwise_reference(x)
+    assert np.array_equal(np.asarray(jax.jit(tree_sum)(x)), expected)
+    # Under vmap each row is summed in the same order as on its own.
+    batch = np.stack([x, x[::-1], 2 * x])
+    summed = np.asarray(jax.jit(jax.vmap(tree_sum))(batch))
+    assert np.array_equal(summed, [pairwise_reference(row) for row in batch])
+
+
+def test_tree_sum_axis_and_empty():
+    x = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(tree_sum(x, axis=1), x.sum(axis=1))
+    np.testing.assert_array_equal(tree_sum(x, axis=0), x.sum(axis=0))
+    empty = tree_sum(jnp.zeros((0, 3)))
+    assert empty.shape == (3,) and not np.any(np.asarray(empty))
+
+
+# -- chunk plans -------------------------------------------------------------------------------
+
+
+def assert_cover_once(chunks, n_blocks):
+    covered = [b for c in chunks for b in range(c.first, c.first + c.count)]
+    assert covered == list(range(n_blocks)), chunks
+    assert all(c.count >= 1 for c in chunks)
+
+
+@pytest.mark.parametrize("n_rows, block_rows", [(1, 1), (1000, 256), (1024, 256), (4096, 100),
+                                                (3, 256)])
+@pytest.mark.parametrize("grainsize", [1, 100, 255, 256, 500, 768, 1000, 10**6])
+def test_fixed_chunks_cover_every_block_once(n_rows, block_rows, grainsize):
+    plan = plan_blocks(n_rows, block_rows)
+    chunks = fixed_chunks(plan, grainsize)
+    assert_cover_once(chunks, plan.n_blocks)
+    # Equal chunks but the last: grainsize rounded to whole blocks.
+    assert len({c.count for c in chunks[:-1]}) <= 1
+    assert chunks[-1].count <= chunks[0].count
+    # Their row ranges tile [0, N).
+    rows = [c.rows(plan) for c in chunks]
+    assert rows[0][0] == 0 and rows[-1][1] == n_rows
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+
+
+def test_fixed_chunks_round_to_whole_blocks():
+    plan = plan_blocks(5000, block_rows=1000)
+    assert fixed_chunks(plan, 2000) == [Chunk(0, 2), Chunk(2, 2), Chunk(4, 1)]
+    assert fixed_chunks(plan, 1) == [Chunk(b, 1) for b in range(5)]
+    assert fixed_chunks(plan, 1400) == fixed_chunks(plan, 1000)
+    assert fixed_chunks(plan, 1600) == fixed_chunks(plan, 2000)
+
+
+@pytest.mark.parametrize("n_blocks, k", [(1, 1), (16, 1), (16, 3), (16, 16), (16, 100), (7, 2)])
+def test_split_blocks_cover_every_block_once(n_blocks, k):
+    assert_cover_once(split_blocks(n_blocks, k), n_blocks)
+
+
+@pytest.mark.parametrize("n_rows, workers", [(100, 1), (1000, 2), (1000, 8), (64 * 37, 3)])
+def test_adaptive_chunks_cover_every_block_once(n_rows, workers):
+    plan = plan_blocks(n_rows, 64)
+    chunker = AdaptiveChunker(plan, workers)
+    for compute, overhead in [(1e-3, 1e-6), (1e-5, 1e-3), (1e-4, 1e-4), (1e-3, 0.0)]:
+        assert_cover_once(chunker.chunks(), plan.n_blocks)
+        chunker.record(2, compute, overhead)
+    assert_cover_once(chunker.chunks(), plan.n_blocks)

@@ -1,0 +1,348 @@
+"""Executors: what they count, how one is chosen, that they clean up, that they serve
+several callers, that chunk functions compile once per shape, and the adaptive chunker.
+"""
+
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import parallel_backend as pb
+from parallel_backend.blocks import plan_blocks
+from parallel_backend.chunking import AdaptiveChunker
+
+BLOCK_ROWS = 256
+STATS_KEYS = {"calls", "chunks", "rows", "seconds_in_workers", "bytes_sent"}
+
+
+def gaussian(x, mu):
+    return -0.5 * (x - mu) ** 2
+
+
+@pytest.fixture
+def x():
+    return jnp.linspace(-2.0, 2.0, 1000)
+
+
+def jitted_value_and_grad(x, **kwargs):
+    return jax.jit(jax.value_and_grad(lambda mu: pb.reduce_sum(gaussian, x, mu, **kwargs)))
+
+
+# -- stats --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", ["serial", "serial-host", "thread2-host", "thread2"],
+                         indirect=True)
+def test_stats_count_evaluations_not_traces(executor, x):
+    stats = executor.stats()
+    assert STATS_KEYS <= set(stats)
+    assert all(stats[k] == 0 for k in STATS_KEYS)
+
+    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS, grainsize=BLOCK_ROWS)
+    for mu in [0.1, 0.2, 0.3]:
+        jax.block_until_ready(f(mu))
+    after = executor.stats()
+    assert after["calls"] == 3
+    assert after["rows"] == 3 * x.shape[0]
+    # "auto" picks one path for the call site; the others are fixed.
+    if executor.dispatch == "auto":
+        on_host = after["host_calls"] > 0
+    else:
+        on_host = executor.dispatch == "host"
+    if on_host:
+        # Four chunks of 256 rows (the last one 232) per evaluation.
+        assert (after["host_calls"], after["graph_calls"]) == (3, 0)
+        assert after["chunks"] == 3 * 4
+        assert after["seconds_in_workers"] > 0
+        assert after["bytes_sent"] > 0
+    else:
+        assert (after["host_calls"], after["graph_calls"]) == (0, 3)
+        assert after["chunks"] == 3
+
+    jax.block_until_ready(f(0.4))
+    assert executor.stats()["calls"] == 4
+
+
+def test_stats_are_per_executor(fresh_executor, x):
+    a, b = fresh_executor("thread2-host"), fresh_executor("serial-host")
+    jax.block_until_ready(jitted_value_and_grad(x, executor=a)(0.5))
+    assert a.stats()["calls"] == 1
+    assert b.stats()["calls"] == 0
+
+
+# -- choosing the executor ----------------------------------------------------------------
+
+
+def calls(*executors):
+    return [ex.stats()["calls"] for ex in executors]
+
+
+def test_executor_precedence(fresh_executor, x):
+    default, outer, inner, explicit = (fresh_executor("serial") for _ in range(4))
+
+    def evaluate(**kwargs):
+        return float(pb.reduce_sum(gaussian, x, 0.5, **kwargs))
+
+    assert pb.get_default_executor() is not default
+    evaluate()
+    assert calls(default, outer, inner, explicit) == [0, 0, 0, 0]
+
+    pb.set_default_executor(default)
+    assert pb.get_default_executor() is default
+    evaluate()
+    assert calls(default, outer, inner, explicit) == [1, 0, 0, 0]
+
+    with pb.use_executor(outer):
+        evaluate()
+        assert calls(default, outer, inner, explicit) == [1, 1, 0, 0]
+        with pb.use_executor(inner) as current:
+            assert current is inner
+            evaluate()
+            assert calls(default, outer, inner, explicit) == [1, 1, 1, 0]
+            evaluate(executor=explicit)
+            assert calls(default, outer, inner, explicit) == [1, 1, 1, 1]
+        evaluate()  # back to the outer one
+        assert calls(default, outer, inner, explicit) == [1, 2, 1, 1]
+    evaluate()
+    assert calls(default, outer, inner, explicit) == [2, 2, 1, 1]
+
+    pb.set_default_executor(None)
+    assert isinstance(pb.get_default_executor(), pb.SerialExecutor)
+    assert pb.get_default_executor() is not default
+    evaluate()
+    assert calls(default, outer, inner, explicit) == [2, 2, 1, 1]
+
+
+def test_executor_fixed_when_traced(fresh_executor, x):
+    """A jitted function keeps the executor it was traced with."""
+    first, second = fresh_executor("serial"), fresh_executor("serial")
+    f = jax.jit(lambda mu: pb.reduce_sum(gaussian, x, mu))
+    with pb.use_executor(first):
+        jax.block_until_ready(f(0.5))
+    with pb.use_executor(second):
+        jax.block_until_ready(f(0.6))
+    assert calls(first, second) == [2, 0]
+
+
+def test_use_executor_by_name(x):
+    with pb.use_executor("thread") as ex:
+        assert isinstance(ex, pb.ThreadExecutor)
+        np.testing.assert_allclose(pb.reduce_sum(gaussian, x, 0.5), gaussian(x, 0.5).sum(),
+                                   rtol=1e-5)
+        ex.close()
+
+
+def test_use_executor_is_per_thread(fresh_executor, x):
+    mine, other_thread_saw = fresh_executor("serial"), []
+    with pb.use_executor(mine):
+        t = threading.Thread(target=lambda: other_thread_saw.append(
+            pb.executors.resolve_executor()))
+        t.start()
+        t.join()
+    assert other_thread_saw[0] is not mine
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+def worker_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("parallel_backend")}
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_close_leaves_no_thread(x, workers):
+    before = worker_threads()
+    with pb.ThreadExecutor(workers, dispatch="host") as ex:
+        jax.block_until_ready(jitted_value_and_grad(x, executor=ex, block_rows=BLOCK_ROWS,
+                                                    grainsize=BLOCK_ROWS)(0.5))
+        assert len(worker_threads() - before) >= 2  # the pool really ran
+    assert worker_threads() == before
+    ex.close()  # idempotent
+    assert worker_threads() == before
+
+
+@pytest.mark.parametrize("make", [
+    pb.SerialExecutor,
+    lambda: pb.SerialExecutor(dispatch="host"),
+    lambda: pb.ThreadExecutor(2, dispatch="host"),
+    lambda: pb.ThreadExecutor(2),
+], ids=["serial", "serial-host", "thread2-host", "thread2"])
+def test_executors_are_context_managers(make, x):
+    with make() as ex:
+        assert isinstance(ex, pb.Executor)
+        float(pb.reduce_sum(gaussian, x, 0.5, executor=ex, block_rows=BLOCK_ROWS))
+    with pytest.raises(RuntimeError, match="closed"):
+        pb.reduce_sum(gaussian, x, 0.5, executor=ex)
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
+def test_thread_executor_rejects_bad_worker_counts(workers):
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        pb.ThreadExecutor(workers)
+
+
+def test_unknown_dispatch():
+    with pytest.raises(ValueError, match=r"dispatch must be one of \['auto', 'graph', 'host'\]"):
+        pb.ThreadExecutor(2, dispatch="threads")
+
+
+# -- concurrency ---------------------------------------------------------------------------
+
+
+def test_one_executor_serves_concurrent_callers(fresh_executor, x):
+    executor = fresh_executor("thread2-host")
+    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS, grainsize=BLOCK_ROWS)
+    mus = np.linspace(-1.0, 1.0, 4)
+    expected = {mu: jax.value_and_grad(lambda m: gaussian(x, m).sum())(mu) for mu in mus}
+    results, errors = {mu: [] for mu in mus}, []
+    start = threading.Barrier(len(mus))
+
+    def caller(mu):
+        try:
+            start.wait()
+            for _ in range(5):
+                results[mu].append(jax.block_until_ready(f(mu)))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(mu,)) for mu in mus]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for mu in mus:
+        assert len(results[mu]) == 5
+        for value, grad in results[mu]:
+            np.testing.assert_allclose(value, expected[mu][0], rtol=1e-5)
+            np.testing.assert_allclose(grad, expected[mu][1], rtol=1e-4, atol=1e-3)
+            # Every repetition gives the same bits, whatever else ran at the same time.
+            np.testing.assert_array_equal(value, results[mu][0][0])
+            np.testing.assert_array_equal(grad, results[mu][0][1])
+    assert executor.stats()["calls"] == 4 * 5
+
+
+# -- compile once per chunk shape ------------------------------------------------------------
+
+
+def trace_counts(executor):
+    return [dict(site.traces) for site in executor._sites.values()]
+
+
+@pytest.mark.parametrize("executor", ["serial", "serial-host", "thread2-host"], indirect=True)
+def test_chunk_function_traced_once_per_shape(executor, x):
+    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS,
+                              grainsize=2 * BLOCK_ROWS)
+    mus = jnp.linspace(-1.0, 1.0, 11)  # one argument type: the outer jit traces once
+    jax.block_until_ready(f(mus[0]))
+    first = trace_counts(executor)
+    assert first and all(first)
+    for mu in mus[1:]:
+        jax.block_until_ready(f(mu))
+    assert trace_counts(executor) == first
+    assert executor.stats()["calls"] == 11
+    # One site, value and gradient only: every chunk shape was traced exactly once.
+    (counts,) = first
+    assert set(counts.values()) == {1}, counts
+
+
+@pytest.mark.parametrize("executor", ["serial-host", "thread2-host"], indirect=True)
+def test_host_chunks_compiled_once_across_traces(executor, x):
+    """NumPyro traces a model several times (init, warmup, sampling); each new trace of the
+    same call site reuses the compiled chunk functions."""
+    for mu in np.linspace(-1.0, 1.0, 5):
+        f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS,
+                                  grainsize=2 * BLOCK_ROWS)  # a new jit: a new trace
+        jax.block_until_ready(f(mu))
+    assert len(executor._sites) == 1
+    (counts,) = trace_counts(executor)
+    assert set(counts.values()) == {1}, counts
+
+
+@pytest.mark.parametrize("executor", ["thread2-host"], indirect=True)
+def test_changing_chunk_plan_reuses_compiled_shapes(executor, x):
+    """One chunk per call runs on the calling thread, several run on the pool; the same
+    chunk shape must not be compiled again for either (the adaptive chunker does both)."""
+    for grainsize in [2 * BLOCK_ROWS, x.shape[0], 2 * BLOCK_ROWS, x.shape[0]]:
+        f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS,
+                                  grainsize=grainsize)
+        jax.block_until_ready(f(0.5))
+    (counts,) = trace_counts(executor)
+    assert set(counts.values()) == {1}, counts
+
+
+# -- the adaptive chunker --------------------------------------------------------------------
+
+
+def test_adaptive_chunker_settles_on_a_power_of_two():
+    plan = plan_blocks(64 * 100, block_rows=100)
+    chunker = AdaptiveChunker(plan, workers=4)
+    assert not chunker.settled
+    first = chunker.chunks()
+    assert sum(c.count for c in first) == plan.n_blocks
+    seen = {chunker.blocks_per_chunk}
+    # Cheap overhead, 1 ms per block: the chunker keeps chunks small for balance.
+    for _ in range(10):
+        chunker.record(4, compute_seconds=4e-3, overhead_seconds=1e-5)
+        seen.add(chunker.blocks_per_chunk)
+    assert chunker.settled
+    k = chunker.blocks_per_chunk
+    assert k & (k - 1) == 0 and 1 <= k <= plan.n_blocks
+    assert plan.n_blocks / k >= 4  # at least one chunk per worker
+    assert len(seen) <= 3
+    chunker.record(1, compute_seconds=10.0, overhead_seconds=10.0)  # ignored once settled
+    assert chunker.blocks_per_chunk == k
+
+
+def test_adaptive_chunker_grows_chunks_when_overhead_dominates():
+    plan = plan_blocks(64 * 100, block_rows=100)
+    cheap = AdaptiveChunker(plan, workers=4)
+    costly = AdaptiveChunker(plan, workers=4)
+    for _ in range(4):
+        cheap.record(1, compute_seconds=1e-3, overhead_seconds=1e-6)
+        costly.record(1, compute_seconds=1e-5, overhead_seconds=1e-3)
+    assert costly.blocks_per_chunk > cheap.blocks_per_chunk
+    assert costly.blocks_per_chunk <= plan.n_blocks
+
+
+@pytest.mark.parametrize("executor", ["thread2-host"], indirect=True)
+def test_adaptive_chunking_settles_with_few_shapes(executor):
+    x = jnp.linspace(-2.0, 2.0, 4096)
+    f = jitted_value_and_grad(x, executor=executor, block_rows=128)  # 32 blocks
+    for mu in np.linspace(-1.0, 1.0, 12):
+        jax.block_until_ready(f(mu))
+    (site,) = executor._sites.values()
+    assert site.chunker.settled
+    settled = site.chunker.blocks_per_chunk
+    counts_then = dict(site.traces)
+    for mu in np.linspace(-1.0, 1.0, 5):
+        jax.block_until_ready(f(mu))
+    assert site.chunker.blocks_per_chunk == settled
+    assert dict(site.traces) == counts_then
+    assert len(site.traces) <= 4, site.traces  # a handful of compiled chunk shapes
+    assert executor.stats()["chunk_rows"] == [settled * 128]
+
+
+# -- import weight ---------------------------------------------------------------------------
+
+
+def test_import_is_light():
+    code = ("import sys, parallel_backend as pb; "
+            "heavy = [m for m in ('dask', 'distributed', 'arviz', 'numpyro') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "", f"import parallel_backend imported {out.stdout.strip()}"
+
+
+def test_factor_is_loaded_lazily():
+    code = ("import sys, parallel_backend as pb; assert 'numpyro' not in sys.modules; "
+            "f = pb.factor; assert 'numpyro' in sys.modules; print(f.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "parallel_backend.plugins.numpyro.factor"
