@@ -20,10 +20,13 @@ import jax.numpy as jnp
 
 __all__ = ["BlockPlan", "plan_blocks", "tree_sum"]
 
-#: Rows below which a call is one block: small work has nothing to split.
-MIN_BLOCK_ROWS = 1024
-#: The plan aims at no more than this many blocks, so per-block partials stay cheap.
-TARGET_BLOCKS = 64
+#: Bytes of data per block the default plan aims at: a block's working set then
+#: stays in cache, which measured faster than both small and very large blocks.
+TARGET_BLOCK_BYTES = 256 * 1024
+#: The default plan keeps at least this many blocks when the data allows...
+MIN_BLOCKS = 16
+#: ...and blocks of at least this many rows.
+MIN_BLOCK_ROWS = 256
 
 
 class BlockPlan(NamedTuple):
@@ -57,19 +60,23 @@ class BlockPlan(NamedTuple):
         return start, min(start + self.block_rows, self.n_rows)
 
 
-def plan_blocks(n_rows: int, block_rows: int | None = None) -> BlockPlan:
+def plan_blocks(n_rows: int, block_rows: int | None = None, row_bytes: int = 8) -> BlockPlan:
     """Cut ``n_rows`` rows into fixed-size blocks.
 
-    The block size depends on ``n_rows`` only (never on the executor or the worker
-    count): that is what makes results reproducible across executors.
+    The default block size depends only on ``n_rows`` and on the bytes of data per
+    row (never on the executor, the worker count or a measurement): that is what
+    makes results reproducible. It is a power of two near ``TARGET_BLOCK_BYTES``
+    of data, at least ``MIN_BLOCK_ROWS`` rows, and small enough to leave
+    ``MIN_BLOCKS`` blocks; data that fits one block's budget is one block.
 
     Parameters
     ----------
     n_rows : int
         Length of the sliced axis.
     block_rows : int, optional
-        Rows per block. By default a power of two chosen so that there are at most
-        ``TARGET_BLOCKS`` blocks of at least ``MIN_BLOCK_ROWS`` rows.
+        Rows per block, overriding the default.
+    row_bytes : int
+        Bytes of data per row (all data leaves together).
 
     Returns
     -------
@@ -77,24 +84,34 @@ def plan_blocks(n_rows: int, block_rows: int | None = None) -> BlockPlan:
 
     Examples
     --------
-    >>> plan_blocks(10_000)
-    BlockPlan(n_rows=10000, block_rows=1024, n_full=9, tail_rows=784)
-    >>> plan_blocks(1_000_000).n_blocks
-    62
+    >>> plan_blocks(10_000, row_bytes=8)
+    BlockPlan(n_rows=10000, block_rows=10000, n_full=1, tail_rows=0)
+    >>> plan_blocks(100_000, row_bytes=8)
+    BlockPlan(n_rows=100000, block_rows=4096, n_full=24, tail_rows=1696)
+    >>> plan_blocks(1_000_000, row_bytes=20).block_rows
+    16384
+    >>> plan_blocks(1_000, row_bytes=84)
+    BlockPlan(n_rows=1000, block_rows=1000, n_full=1, tail_rows=0)
     """
     if n_rows < 0:
         raise ValueError(f"n_rows must be >= 0, got {n_rows}")
     if block_rows is None:
-        if n_rows <= MIN_BLOCK_ROWS:
-            block_rows = max(n_rows, 1)
-        else:
-            per_block = max(MIN_BLOCK_ROWS, -(-n_rows // TARGET_BLOCKS))
-            block_rows = 1 << math.ceil(math.log2(per_block))
-    elif int(block_rows) < 1:
-        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+        block_rows = default_block_rows(n_rows, row_bytes)
+    elif isinstance(block_rows, bool) or int(block_rows) != block_rows or block_rows < 1:
+        raise ValueError(f"block_rows must be an int >= 1, got {block_rows!r}")
     block_rows = int(block_rows)
     n_full, tail = divmod(n_rows, block_rows)
     return BlockPlan(n_rows, block_rows, n_full, tail)
+
+
+def default_block_rows(n_rows: int, row_bytes: int) -> int:
+    """The default rows per block (see :func:`plan_blocks`)."""
+    budget = max(1, TARGET_BLOCK_BYTES // max(int(row_bytes), 1))
+    if n_rows <= max(budget, MIN_BLOCK_ROWS):
+        return max(n_rows, 1)
+    rows = 1 << math.ceil(math.log2(budget))
+    rows = min(rows, 1 << int(math.log2(max(n_rows // MIN_BLOCKS, 1))))
+    return max(rows, MIN_BLOCK_ROWS)
 
 
 def tree_sum(x, axis: int = 0):

@@ -48,7 +48,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
         Rows per chunk (rounded to whole blocks); ``None`` lets the chunker pick
         from measured costs.
     block_rows : int, optional
-        Rows per block. The default depends on ``N`` only. Results are bitwise
+        Rows per block. The default depends only on ``N`` and the bytes of data
+        per row (about 256 KiB of data per block); results are bitwise
         reproducible for a given ``block_rows``.
 
     Returns
@@ -95,7 +96,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     shared_leaves, shared_treedef = jax.tree_util.tree_flatten(shared)
     shared_leaves = [_as_leaf(x, "shared") for x in shared_leaves]
 
-    plan = plan_blocks(n_rows, block_rows)
+    row_bytes = sum(math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize for x in leaves)
+    plan = plan_blocks(n_rows, block_rows, row_bytes=row_bytes)
     if n_rows == 0:
         return jnp.zeros((), _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
     value_dtype = None

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel_backend.blocks import MIN_BLOCK_ROWS, TARGET_BLOCKS, BlockPlan, plan_blocks, tree_sum
+from parallel_backend.blocks import (MIN_BLOCK_ROWS, MIN_BLOCKS, TARGET_BLOCK_BYTES, BlockPlan,
+                                     plan_blocks, tree_sum)
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
 
 # -- plan_blocks ---------------------------------------------------------------------------
@@ -15,7 +16,8 @@ from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, spli
     (0, None, BlockPlan(0, 1, 0, 0)),
     (1, None, BlockPlan(1, 1, 1, 0)),
     (1000, None, BlockPlan(1000, 1000, 1, 0)),
-    (10_000, None, BlockPlan(10_000, 1024, 9, 784)),
+    (10_000, None, BlockPlan(10_000, 10_000, 1, 0)),
+    (100_000, None, BlockPlan(100_000, 4096, 24, 1696)),
     (1000, 256, BlockPlan(1000, 256, 3, 232)),
     (1024, 256, BlockPlan(1024, 256, 4, 0)),
     (3, 256, BlockPlan(3, 256, 0, 3)),
@@ -34,10 +36,18 @@ def test_default_plan_tiles_the_rows(n_rows):
     if n_rows:
         assert ranges[0][0] == 0 and ranges[-1][1] == n_rows
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    if n_rows > MIN_BLOCK_ROWS:
+    if n_rows * 8 > TARGET_BLOCK_BYTES:  # more than one block's worth of data
         assert plan.block_rows >= MIN_BLOCK_ROWS
         assert plan.block_rows & (plan.block_rows - 1) == 0  # a power of two
-        assert plan.n_blocks <= TARGET_BLOCKS
+        assert plan.block_rows * 8 <= 2 * TARGET_BLOCK_BYTES
+        assert plan.n_blocks >= MIN_BLOCKS
+    else:
+        assert plan.n_blocks <= 1
+
+
+@pytest.mark.parametrize("row_bytes, expected", [(20, 16384), (84, 4096), (400, 1024)])
+def test_default_block_size_follows_row_bytes(row_bytes, expected):
+    assert plan_blocks(1_000_000, row_bytes=row_bytes).block_rows == expected
 
 
 @pytest.mark.parametrize("n_rows, block_rows", [(-1, None), (10, 0), (10, -4)])
