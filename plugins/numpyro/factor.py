@@ -54,10 +54,10 @@ def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=No
                           block_rows=block_rows)
     info = dict(fn=fn, data=data, shared=shared, executor=executor, grainsize=grainsize,
                 block_rows=block_rows)
-    # numpyro.factor is a sample site of an Unit distribution observed at nothing;
+    # As numpyro.factor: a site of a Unit distribution observed at an empty value;
     # the infer dict carries our inputs through handlers such as trace and substitute.
     unit = numpyro.distributions.Unit(value)
-    numpyro.sample(name, unit, obs=value, infer={INFER_KEY: info})
+    numpyro.sample(name, unit, obs=unit.sample(None), infer={"is_auxiliary": True, INFER_KEY: info})
     return value
 
 
