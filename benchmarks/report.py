@@ -21,8 +21,8 @@ def gradient_table(rows):
     for r in rows:
         by[(r["likelihood"], r["n"], r["dtype"])][r["cores"]] = r["seconds"]
     out = ["| likelihood | N | dtype | plain ms | serial | thread (auto) | thread (host) | "
-           "thread (host) vs 1-core plain | efficiency |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "thread vs 1-core plain | efficiency | overhead (us, small N) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (name, n, dtype), per in sorted(by.items()):
         full = per.get(max(per)) if per else None
         one = per.get(1, {})
@@ -33,15 +33,16 @@ def gradient_table(rows):
         def ratio(k):
             return f"{plain / full[k]:.2f}x" if k in full else "-"
 
-        host = full.get("thread_host")
-        if host and "plain" in one:
-            vs_one = one["plain"] / host
+        thread = full.get("thread")
+        if thread and "plain" in one:
+            vs_one = one["plain"] / thread
             eff = f"{vs_one / max(per):.2f}"
             vs_one = f"{vs_one:.2f}x"
         else:
             vs_one = eff = "-"
+        overhead = f"{(thread - plain) * 1e6:+.0f}" if thread and n <= 10_000 else "-"
         out.append(f"| {name} | {n:,} | {dtype} | {plain * 1e3:.2f} | {ratio('serial')} | "
-                   f"{ratio('thread')} | {ratio('thread_host')} | {vs_one} | {eff} |")
+                   f"{ratio('thread')} | {ratio('thread_host')} | {vs_one} | {eff} | {overhead} |")
     return "\n".join(out)
 
 

@@ -15,8 +15,8 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="fit a built-in model with plain NumPyro and with "
                                        "parallel_backend and compare")
     demo.add_argument("--rows", type=int, default=200_000, help="rows of synthetic data")
-    demo.add_argument("--warmup", type=int, default=300, help="NUTS warmup iterations")
-    demo.add_argument("--samples", type=int, default=300, help="NUTS draws")
+    demo.add_argument("--warmup", type=int, default=200, help="NUTS warmup iterations")
+    demo.add_argument("--samples", type=int, default=200, help="NUTS draws")
     demo.add_argument("--workers", type=int, default=None, help="threads (default: all cores)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--float64", action="store_true", help="run in double precision")

@@ -73,7 +73,7 @@ def _run(model, args, num_warmup, num_samples, seed, progress_bar):
     return mcmc, time.perf_counter() - t0
 
 
-def run_demo(n_rows: int = 200_000, num_warmup: int = 300, num_samples: int = 300,
+def run_demo(n_rows: int = 200_000, num_warmup: int = 200, num_samples: int = 200,
              workers: int | None = None, seed: int = 0, float64: bool = False,
              progress_bar: bool = True, print_fn=print) -> dict:
     """Fit the demo model with plain NumPyro and with parallel_backend; report both.
