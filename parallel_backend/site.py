@@ -50,10 +50,6 @@ def combine(values, shared_grads, data_grads):
     return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
 
 
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
 class Site:
     """A ``reduce_sum`` call site, reusable across traces of the same model.
 

@@ -151,7 +151,7 @@ class Executor:
                     for s, a, d in zip(shared, axes_s, diff_shared) if d]
         flat_batch = (k,) if in_axes is not None else ()
         out = site.assemble(results, flat_batch, shapes_t, shapes_s)
-        return jax_tree_reshape(out, flat_batch, batch_shape)
+        return _restore_batch(out, flat_batch, batch_shape)
 
     def count_graph_call(self, site: Site, batch: int = 1) -> None:
         """Record one evaluation that ran inside the graph (``batch`` parameter sets)."""
@@ -300,7 +300,7 @@ def _unbatch(traced, shared, orig_ndims):
     return tuple(out[:n]), tuple(out[n:]), (tuple(axes[:n]), tuple(axes[n:])), batch_shape
 
 
-def jax_tree_reshape(out, flat_batch, batch_shape):
+def _restore_batch(out, flat_batch, batch_shape):
     """Restore the caller's batch shape on host-path outputs."""
     values, g_shared, g_data = out
     if flat_batch == tuple(batch_shape):
