@@ -18,6 +18,7 @@ the core modules only.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -240,8 +241,9 @@ class Site:
                 f"blocks={p.n_blocks}, dispatch={self.dispatch})")
 
 
+@functools.cache
 def host_device():
-    """The CPU device on which host-path chunks run."""
+    """The CPU device on which host-path chunks run (looked up once: it is on the hot path)."""
     return jax.devices("cpu")[0]
 
 

@@ -264,7 +264,7 @@ def _site_stats(site: Site) -> dict:
         rows = [p.n_rows]
     return dict(label=site.label, rows=p.n_rows, block_rows=p.block_rows, blocks=p.n_blocks,
                 dispatch=site.dispatch, chunk_rows=rows,
-                settled=None if site.chunker is None else site.chunker.settled)
+                settled=site.chunker.settled if site.dispatch == "host" and site.chunker else None)
 
 
 def _unbatch(traced, shared, orig_ndims):
