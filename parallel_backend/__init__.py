@@ -28,7 +28,12 @@ __all__ = [
     "get_default_executor",
     "known_executors",
     "make_executor",
+    "DaskExecutor",
+    "DeviceExecutor",
     "factor",
+    "sample",
+    "to_arviz",
+    "profile",
     "BlockPlan",
     "plan_blocks",
     "tree_sum",
@@ -37,6 +42,11 @@ __all__ = [
 # Public names that live in plugins: name -> (module, attribute, extra to install).
 _LAZY = {
     "factor": ("parallel_backend.plugins.numpyro", "factor", None),
+    "sample": ("parallel_backend.plugins.numpyro", "sample", "arviz"),
+    "profile": ("parallel_backend.plugins.numpyro", "profile", None),
+    "to_arviz": ("parallel_backend.plugins.arviz", "to_arviz", "arviz"),
+    "DaskExecutor": ("parallel_backend.plugins.dask", "DaskExecutor", "dask"),
+    "DeviceExecutor": ("parallel_backend.plugins.device", "DeviceExecutor", None),
 }
 
 

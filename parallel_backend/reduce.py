@@ -129,7 +129,7 @@ def _reduce(site: Site, executor, grainsize):
 
     def partials(traced, shared, diff_traced, diff_shared):
         if site.dispatch == "graph":
-            return site.graph_partials(traced, shared, diff_traced, diff_shared)
+            return executor.graph_partials(site, traced, shared, diff_traced, diff_shared)
         return _host_partials(site, executor, grainsize, traced, shared, diff_traced, diff_shared)
 
     counting = site.dispatch == "graph" and executor.count_calls

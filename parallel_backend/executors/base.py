@@ -74,6 +74,24 @@ class Executor:
         """Evaluate ``chunks`` of ``site``; results in chunk order. Serial by default."""
         return [site.run_chunk(c, *args) for c in chunks]
 
+    def graph_partials(self, site: Site, traced, shared, diff_traced, diff_shared):
+        """Per-block partials computed inside the caller's XLA program (no callback).
+
+        Called while tracing. The default runs the whole block loop in place; an
+        executor that maps blocks over devices overrides it and must return the
+        same partials, bitwise.
+        """
+        return site.graph_partials(traced, shared, diff_traced, diff_shared)
+
+    def map(self, func, items) -> list:
+        """``[func(item) for item in items]`` on this executor's workers, in order.
+
+        For one-off work beside sampling (pointwise log-likelihoods, profiling).
+        ``func`` must be picklable (cloudpickle) for executors in other processes.
+        """
+        self._check_open()
+        return [func(item) for item in items]
+
     def _shutdown(self) -> None:
         """Release threads, processes and connections."""
 

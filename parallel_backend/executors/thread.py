@@ -78,6 +78,12 @@ class ThreadExecutor(Executor):
         futures = [pool.submit(site.run_chunk, c, *args) for c in chunks]
         return [f.result() for f in futures]
 
+    def map(self, func, items) -> list:
+        items = list(items)
+        if len(items) <= 1 or self._workers == 1:
+            return super().map(func, items)
+        return list(self._get_pool().map(func, items))
+
     def _shutdown(self) -> None:
         with self._pool_lock:
             pool, self._pool = self._pool, None

@@ -346,3 +346,9 @@ def test_factor_is_loaded_lazily():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "parallel_backend.plugins.numpyro.factor"
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread2-host"], indirect=True)
+def test_map_keeps_order(executor):
+    out = executor.map(lambda i: i * i, range(7))
+    assert out == [i * i for i in range(7)]
