@@ -1,0 +1,178 @@
+"""``pb.profile`` and ``parallel-backend profile``: real models, real executors, real timing."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import parallel_backend as pb
+
+# The module, not the function of the same name that the package exports.
+profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
+
+
+def normal_loglik(y, mu, sigma):
+    return dist.Normal(mu, sigma).log_prob(y)
+
+
+def normal_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    pb.factor("y", normal_loglik, y, mu, sigma)
+
+
+def plain_normal_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+
+def data(n, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, size=n), jnp.float32)
+
+
+def cores():
+    return len(os.sched_getaffinity(0))
+
+
+def expected_labels():
+    labels = ["plain NumPyro", "SerialExecutor()"]
+    labels += [f"ThreadExecutor({w}, dispatch='host')" for w in profile_module._worker_counts(cores())]
+    if cores() > 1:
+        labels.append(f"ThreadExecutor({cores()})")
+    if len(jax.devices()) > 1:
+        labels.append(f"DeviceExecutor({len(jax.devices())} devices)")
+    return labels
+
+
+def test_report_has_a_row_per_executor_and_a_recommendation():
+    report = pb.profile(normal_model, data(20_000))
+    assert [r.executor for r in report.rows] == expected_labels()
+    plain = report.rows[0]
+    assert plain.kind == "plain" and plain.speedup == 1.0
+    for row in report.rows:
+        assert row.seconds > 0 and np.isfinite(row.seconds)
+        assert row.speedup == pytest.approx(plain.seconds / row.seconds)
+    for row in report.rows[1:]:
+        # Every executor gives the SerialExecutor's value and gradient, bit for bit.
+        assert row.identical is True, row
+        assert row.dispatch in ("graph", "host")
+        if row.dispatch == "host":
+            assert row.overhead is not None and 0.0 <= row.overhead <= 1.0
+            assert row.chunk_rows and all(0 < c <= 20_000 for c in row.chunk_rows)
+    assert report.sites == [dict(name="y", rows=20_000, block_rows=report.sites[0]["block_rows"],
+                                 grainsize=None)]
+    assert isinstance(report.recommendation, str)
+    if report.best is None:
+        assert report.recommendation.startswith("stay with plain NumPyro")
+    else:
+        assert report.best.speedup >= profile_module.MARGIN
+        assert report.recommendation.startswith(f"use {report.best.executor}")
+    text = repr(report)
+    assert "recommendation: " + report.recommendation in text
+    for label in expected_labels():
+        assert label in text
+
+
+def test_tiny_model_recommends_plain_numpyro():
+    report = pb.profile(normal_model, data(100))
+    assert report.best is None
+    assert report.recommendation.startswith("stay with plain NumPyro"), repr(report)
+    assert len(report.rows) == len(expected_labels())
+
+
+def test_dataframe_and_plot():
+    pd = pytest.importorskip("pandas")
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    report = pb.profile(normal_model, data(1000), executors=["serial"])
+    frame = report.to_dataframe()
+    assert isinstance(frame, pd.DataFrame)
+    assert list(frame["executor"]) == ["plain NumPyro", "serial"]
+    assert list(frame.columns) == list(profile_module.ProfileRow._fields)
+    ax = report.plot()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["plain NumPyro", "serial"]
+
+
+def test_plain_variant_is_the_numpyro_log_density():
+    """The swap to plain NumPyro gives numpyro.sample(obs=...)'s potential and gradient."""
+    y = data(3000)
+    z = {"mu": jnp.float32(0.7), "sigma": jnp.float32(0.4)}
+    swapped = profile_module._gradient_fn(normal_model, (y,), {}, None)(z)
+    on_serial = profile_module._gradient_fn(normal_model, (y,), {}, pb.SerialExecutor())(z)
+    expected = jax.value_and_grad(lambda p: numpyro.infer.util.potential_energy(
+        plain_normal_model, (y,), {}, p))(z)
+    for got in (swapped, on_serial):
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, e, rtol=2e-5)
+
+
+def test_given_executors_stay_open_and_clients_names_work():
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        report = pb.profile(normal_model, data(5000), executors={"mine": ex, "named": "serial"})
+        assert [r.executor for r in report.rows] == ["plain NumPyro", "mine", "named"]
+        assert report.rows[1].dispatch == "host" and report.rows[1].identical
+        assert ex.stats()["host_calls"] > 0
+        assert float(pb.reduce_sum(lambda x: x, jnp.ones(3), executor=ex)) == 3.0
+
+
+def test_errors_name_the_fix():
+    def no_factor(y):
+        numpyro.sample("y", dist.Normal(0.0, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="no pb.factor site"):
+        pb.profile(no_factor, data(10))
+    with pytest.raises(TypeError, match="executors must be"):
+        pb.profile(normal_model, data(10), executors=[3.0])
+
+
+@pytest.fixture
+def cli():
+    exe = os.path.join(os.path.dirname(sys.executable), "parallel-backend")
+
+    def run(*args):
+        return subprocess.run([exe, "profile", *args], capture_output=True, text=True,
+                              timeout=300)
+
+    return run
+
+
+def test_cli_profiles_a_user_script(cli, tmp_path):
+    script = tmp_path / "my_model.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, numpyro, numpyro.distributions as dist
+        import parallel_backend as pb
+
+        def loglik(y, mu):
+            return dist.Normal(mu, 1.0).log_prob(y)
+
+        def model(y):
+            mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            pb.factor("obs", loglik, y, mu)
+
+        model_args = (np.random.default_rng(0).normal(size=100).astype(np.float32),)
+    """))
+    out = cli(str(script))
+    assert out.returncode == 0, out.stderr
+    assert "obs: 100 rows" in out.stdout
+    assert "recommendation: stay with plain NumPyro" in out.stdout
+
+
+def test_cli_profiles_the_demo_model_and_reports_a_bad_script(cli, tmp_path):
+    out = cli("--rows", "5000")
+    assert out.returncode == 0, out.stderr
+    assert "y: 5,000 rows" in out.stdout and "recommendation: " in out.stdout
+    bad = tmp_path / "no_model.py"
+    bad.write_text("x = 1\n")
+    out = cli(str(bad))
+    assert out.returncode != 0 and "must define a callable `model`" in out.stderr
