@@ -200,8 +200,12 @@ class Site:
         return fn
 
     def run_chunk(self, chunk: Chunk, traced, shared, diff_traced, diff_shared, in_axes,
-                  resident=None) -> ChunkResult:
-        """Evaluate one chunk's blocks (on whichever worker calls this)."""
+                  resident=None, row_offset: int = 0) -> ChunkResult:
+        """Evaluate one chunk's blocks (on whichever worker calls this).
+
+        ``resident`` and ``traced`` may hold only the rows from ``row_offset`` on (a
+        worker that keeps a slice of the data); the blocks computed are the same.
+        """
         t0 = time.perf_counter()
         resident = self.device_resident() if resident is None else resident
         parts = []
@@ -211,7 +215,8 @@ class Site:
             with jax.enable_x64(self.x64), jax.default_device(host_device()):
                 for rows, length, row0 in self._segments(chunk.first, chunk.count):
                     fn = self.compiled(rows, length, diff_traced, diff_shared, in_axes)
-                    parts.append(fn(resident, traced, shared, np.int32(row0), np.int32(length)))
+                    parts.append(fn(resident, traced, shared, np.int32(row0 - row_offset),
+                                    np.int32(length)))
                 values, g_shared, g_data = _concat_parts(parts, batch_ndim=0 if in_axes is None else 1)
                 out = jax.device_get((values, g_shared, g_data))
         except Exception as e:

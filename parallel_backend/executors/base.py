@@ -92,6 +92,11 @@ class Executor:
         self._check_open()
         return [func(item) for item in items]
 
+    def _bytes_per_call(self, traced, shared, n_tasks: int) -> int:
+        """Parameter bytes handed to tasks in one call (an executor that sends
+        messages counts what it sent instead)."""
+        return sum(np.asarray(x).nbytes for x in (*traced, *shared)) * n_tasks
+
     def _shutdown(self) -> None:
         """Release threads, processes and connections."""
 
@@ -157,10 +162,10 @@ class Executor:
             for r in results:
                 site.chunker.record(r.chunk.count, r.seconds, overhead)
         k = math.prod(batch_shape) if batch_shape else 1
-        param_bytes = sum(np.asarray(x).nbytes for x in (*traced, *shared))
         if count:
-            self._count(host_calls=1, calls=1, chunks=len(chunks), rows=site.plan.n_rows * k,
-                        seconds_in_workers=busy, bytes_sent=param_bytes * len(chunks))
+            self._count(host_calls=1, calls=1, chunks=len(results), rows=site.plan.n_rows * k,
+                        seconds_in_workers=busy,
+                        bytes_sent=self._bytes_per_call(traced, shared, len(results)))
         axes_t, axes_s = in_axes if in_axes is not None else ((None,) * len(traced),
                                                                (None,) * len(shared))
         shapes_t = [(_unbatched_shape(t, a)[1:], np.asarray(t).dtype)

@@ -1,0 +1,333 @@
+"""DaskExecutor on real clusters: LocalClusters of worker processes, a cluster
+started with the ``dask scheduler`` / ``dask worker`` commands, TLS, worker loss.
+
+Every result is compared bitwise with :class:`SerialExecutor`'s (and values and
+gradients with ``jax.value_and_grad`` of the unsplit sum).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.infer import MCMC, NUTS
+
+import parallel_backend as pb
+
+distributed = pytest.importorskip("distributed")
+from distributed import Client, LocalCluster  # noqa: E402
+
+pytestmark = pytest.mark.dask
+
+# Workers cannot import this test module by name: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N = 2000
+BLOCK_ROWS = 250
+
+
+def _cluster(**kw):
+    kw = dict(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+              dashboard_address=None) | kw
+    return LocalCluster(**kw)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with _cluster() as cluster, Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def dask_host(client):
+    with pb.DaskExecutor(client=client, dispatch="host") as ex:
+        yield ex
+
+
+# -- a model ---------------------------------------------------------------------------
+
+
+def make_data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n)
+    y = 0.5 + 1.2 * x + 0.8 * rng.normal(size=n)
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+
+
+def loglik(rows, alpha, beta, sigma):
+    return dist.Normal(alpha + beta * rows["x"], sigma).log_prob(rows["y"])
+
+
+def model(data, executor=None):
+    alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    pb.factor("y", loglik, data, alpha, beta, sigma, executor=executor, block_rows=BLOCK_ROWS)
+
+
+def run_nuts(executor, data, warmup=25, samples=25, seed=0):
+    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(seed), data, executor)
+    return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+
+
+def assert_same_draws(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"draws of {k} differ"
+
+
+# -- values and gradients ----------------------------------------------------------------
+
+
+def test_value_and_grad_bitwise_equal_serial(dask_host, make_problem, precision, assert_close,
+                                             assert_identical):
+    prob = make_problem("random_effects", n=N)
+    kw = dict(block_rows=BLOCK_ROWS)
+    vg = jax.jit(jax.value_and_grad(prob.split(dask_host, **kw), argnums=(0, 1)))
+    got = vg(*prob.args)
+    ref = jax.jit(jax.value_and_grad(prob.split(pb.SerialExecutor(), **kw), argnums=(0, 1)))(*prob.args)
+    assert_identical(got, ref)
+    if precision == np.float64:
+        exact = jax.value_and_grad(prob.unsplit(), argnums=(0, 1))(*prob.args)
+        assert_close(got, exact, rtol=1e-10)
+    assert got[0].dtype == precision
+    assert dask_host.stats()["host_calls"] == 1
+
+
+def test_vmap_over_parameter_sets(dask_host, make_problem, x64, assert_identical):
+    prob = make_problem("logistic", n=N)
+    kw = dict(block_rows=BLOCK_ROWS)
+    batch = prob.batch(4)
+    got = jax.jit(jax.vmap(jax.value_and_grad(prob.split(dask_host, **kw), argnums=1)))(*batch)
+    ref = jax.jit(jax.vmap(jax.value_and_grad(prob.split(pb.SerialExecutor(), **kw),
+                                              argnums=1)))(*batch)
+    assert_identical(got, ref)
+    assert dask_host.stats()["host_calls"] == 1  # one message round for all four
+
+
+def test_bytes_per_call_are_parameters_not_data(dask_host, make_problem, x64):
+    prob = make_problem("logistic", n=20_000)
+    f = jax.jit(jax.value_and_grad(prob.split(dask_host, block_rows=1000), argnums=1))
+    jax.block_until_ready(f(*prob.args))
+    s0 = dask_host.stats()
+    data_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(prob.data))
+    assert s0["data_bytes_sent"] >= data_bytes  # X and y went out, once
+    for _ in range(5):
+        jax.block_until_ready(f(*prob.args))
+    s1 = dask_host.stats()
+    per_call = (s1["bytes_sent"] - s0["bytes_sent"]) / 5
+    param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(prob.params))
+    assert per_call <= 10 * param_bytes * s1["workers"] + 4096, per_call
+    assert s1["data_bytes_sent"] == s0["data_bytes_sent"]
+
+
+def test_compiled_once_per_chunk_shape_on_workers(client, x64):
+    data = make_data()
+    with pb.DaskExecutor(client=client, dispatch="host") as ex:
+        f = jax.jit(jax.grad(lambda m: pb.reduce_sum(loglik, data, m, 1.0, 1.0, executor=ex,
+                                                     grainsize=BLOCK_ROWS, block_rows=BLOCK_ROWS)))
+        for m in np.linspace(0.0, 1.0, 6):
+            jax.block_until_ready(f(m))
+        name = ex._plugin
+
+        def traces(dask_worker=None):
+            state = dask_worker.plugins[name]
+            return [dict(s.traces) for s in state.sites.values()]
+
+        per_worker = client.run(traces)
+    counts = [n for sites in per_worker.values() for t in sites for n in t.values()]
+    assert counts and all(n == 1 for n in counts), per_worker
+
+
+CLIENT_PID = os.getpid()
+
+
+def test_error_in_fn_names_type_rows_and_executor(dask_host, x64):
+    x = jnp.arange(1000.0)
+
+    def fails_on_worker(rows, m):
+        if os.getpid() != CLIENT_PID:  # traced fine here; raises where the worker compiles
+            raise KeyError("no such column")
+        return rows * m
+
+    f = jax.jit(lambda m: pb.reduce_sum(fails_on_worker, x, m, executor=dask_host,
+                                        block_rows=250))
+    with pytest.raises(Exception, match=r"KeyError.*no such column.*rows \[\d+, \d+\).*'dask'"):
+        jax.block_until_ready(f(1.0))
+
+
+def test_nuts_draws_identical_to_serial(dask_host, x64):
+    data = make_data()
+    got = run_nuts(dask_host, data)
+    ref = run_nuts(pb.SerialExecutor(), data)
+    assert_same_draws(got, ref)
+    s = dask_host.stats()
+    assert s["calls"] > 40 and s["host_calls"] == s["calls"]
+
+
+def test_map_and_registry_name(client):
+    ex = pb.make_executor("dask", client=client)
+    with ex:
+        assert ex.map(lambda i: i * i, range(5)) == [0, 1, 4, 9, 16]
+        text = repr(ex)
+        assert "DaskExecutor(" in text and client.scheduler.address in text and "workers=2" in text
+        s = ex.stats()
+        assert s["scheduler"] == client.scheduler.address and s["workers"] == 2
+    assert "closed" in repr(ex)
+    assert client.status == "running"  # the user's client stays open
+
+
+# -- cluster life cycle ------------------------------------------------------------------
+
+
+def test_own_local_cluster_is_closed(x64):
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    ex = pb.DaskExecutor(n_workers=1, dispatch="host")
+    try:
+        v = pb.reduce_sum(loglik, make_data(500), 0.1, 1.0, 1.0, executor=ex)
+        exact = loglik(make_data(500), 0.1, 1.0, 1.0).sum()
+        np.testing.assert_allclose(v, exact, rtol=1e-10)
+        assert ex.workers == 1
+    finally:
+        ex.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and {p.pid for p in multiprocessing.active_children()} - before:
+        time.sleep(0.1)
+    assert not ({p.pid for p in multiprocessing.active_children()} - before)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_address_fails_fast_naming_it():
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    t0 = time.time()
+    with pytest.raises(ConnectionError, match=address.replace(".", r"\.")):
+        pb.DaskExecutor(address=address, timeout=2)
+    assert time.time() - t0 < 15
+
+
+def test_client_and_address_together_is_an_error(client):
+    with pytest.raises(ValueError, match="client= or address="):
+        pb.DaskExecutor(client=client, address="tcp://127.0.0.1:1")
+
+
+@pytest.fixture
+def cli_cluster(tmp_path):
+    """A scheduler and two workers started with the dask command line, on 127.0.0.1."""
+    sched_file = tmp_path / "scheduler.json"
+    dask = [os.path.join(os.path.dirname(sys.executable), "dask")]
+    procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0",
+                                      "--no-dashboard", "--scheduler-file", str(sched_file)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        address = json.loads(sched_file.read_text())["address"]
+        for _ in range(2):
+            procs.append(subprocess.Popen(
+                dask + ["worker", address, "--nthreads", "1", "--no-dashboard", "--no-nanny",
+                        "--host", "127.0.0.1"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with Client(address, timeout=60) as c:  # both workers up before the test starts
+            c.wait_for_workers(2, timeout=60)
+        yield address, procs
+    finally:
+        for p in procs[1:]:
+            p.kill()
+        procs[0].terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def test_command_line_cluster_samples(cli_cluster, x64):
+    address, procs = cli_cluster
+    data = make_data()
+    with pb.DaskExecutor(address=address, dispatch="host", timeout=30) as ex:
+        assert ex.scheduler_address == address and ex.workers == 2
+        got = run_nuts(ex, data, warmup=15, samples=15)
+        assert ex.stats()["host_calls"] > 20
+    assert_same_draws(got, run_nuts(pb.SerialExecutor(), data, warmup=15, samples=15))
+
+
+def test_no_workers_left_is_a_clear_error_not_a_hang(cli_cluster, x64):
+    address, procs = cli_cluster
+    data = make_data(500)
+    with pb.DaskExecutor(address=address, dispatch="host", timeout=3) as ex:
+        f = jax.jit(lambda m: pb.reduce_sum(loglik, data, m, 1.0, 1.0, executor=ex, block_rows=125))
+        jax.block_until_ready(f(0.0))
+        for p in procs[1:]:  # the workers (no nanny: they stay dead)
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        t0 = time.time()
+        with pytest.raises(Exception, match="no workers left"):
+            jax.block_until_ready(f(0.5))
+        assert time.time() - t0 < 30
+
+
+@pytest.mark.timeout(300)
+def test_worker_killed_during_nuts_draws_unchanged(x64):
+    data = make_data()
+    ref = run_nuts(pb.SerialExecutor(), data, warmup=40, samples=40)
+    with _cluster() as cluster, Client(cluster) as c:
+        pids = c.run(os.getpid)
+        victim = sorted(pids.values())[0]
+        with pb.DaskExecutor(client=c, dispatch="host") as ex:
+            killed = threading.Event()
+
+            def kill_when_running():
+                deadline = time.time() + 120
+                while ex.stats()["calls"] < 30 and time.time() < deadline:
+                    time.sleep(0.005)
+                os.kill(victim, signal.SIGKILL)
+                killed.set()
+
+            t = threading.Thread(target=kill_when_running, daemon=True)
+            t.start()
+            got = run_nuts(ex, data, warmup=40, samples=40)
+            t.join(5)
+            s = ex.stats()
+    assert killed.is_set()
+    assert s["worker_failures"] >= 1, s
+    assert_same_draws(got, ref)
+
+
+def test_tls_cluster(x64):
+    from distributed.security import Security
+
+    sec = Security.temporary()
+    with _cluster(n_workers=1, security=sec, protocol="tls") as cluster, \
+            Client(cluster, security=sec) as c:
+        assert c.scheduler.address.startswith("tls://")
+        with pb.DaskExecutor(client=c, dispatch="host") as ex:
+            data = make_data(1000)
+            g = jax.grad(lambda m: pb.reduce_sum(loglik, data, m, 1.0, 1.0, executor=ex,
+                                                 block_rows=BLOCK_ROWS))(0.3)
+            ref = jax.grad(lambda m: pb.reduce_sum(loglik, data, m, 1.0, 1.0,
+                                                   block_rows=BLOCK_ROWS))(0.3)
+            assert np.array_equal(g, ref)
+            assert ex.stats()["host_calls"] == 1
