@@ -90,10 +90,10 @@ class ProfileRow(NamedTuple):
 
 
 class ProfileReport:
-    """What :func:`profile` measured, and its recommendation.
+    """What :func:`parallel_backend.profile` measured, and its recommendation.
 
-    ``repr(report)`` is a table; :meth:`to_dataframe` and :meth:`plot` need pandas
-    and matplotlib.
+    ``repr(report)`` is a table; ``to_dataframe()`` and ``plot()`` need pandas and
+    matplotlib.
 
     Attributes
     ----------

@@ -1,0 +1,126 @@
+"""Plot speedup against worker count, one figure per likelihood, from benchmark results.
+
+    python benchmarks/plot_speedup.py benchmarks/results --out docs/_generated
+
+Reads every ``*.jsonl`` file (or the files given) and uses the per-gradient records,
+those with a ``likelihood`` key: ``{"likelihood", "n", "dtype", "cores" (or
+"workers"), "seconds": {variant: seconds}}``, as ``bench_gradients.py`` writes
+them. Per likelihood it draws, for each dtype, the speedup of every variant over
+plain NumPyro on one core (plain's own line shows what XLA's threading gives it)
+against the number of cores/workers the variant ran with. Writes
+``speedup_<likelihood>.svg`` and a caption ``speedup_<likelihood>.txt`` beside it
+(the docs build shows them). Other records (NUTS wall times) are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections import defaultdict
+
+#: Legend labels of the variants that bench_gradients.py times.
+LABELS = {"plain": "plain NumPyro", "serial": "SerialExecutor", "thread": "ThreadExecutor (auto)",
+          "thread_host": "ThreadExecutor (host)"}
+
+
+def load(paths):
+    """Per-gradient records of every file: {(likelihood, n): {dtype: {variant: {workers: s}}}}."""
+    out = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if "likelihood" not in rec or "seconds" not in rec:
+                    continue
+                workers = int(rec.get("workers", rec.get("cores", 1)))
+                for variant, seconds in rec["seconds"].items():
+                    if isinstance(seconds, (int, float)) and seconds > 0:
+                        out[(rec["likelihood"], rec["n"])][rec["dtype"]][variant][workers] = seconds
+    return out
+
+
+def reference(variants):
+    """Plain NumPyro's seconds on the fewest cores measured, and that core count."""
+    plain = variants.get("plain", {})
+    if not plain:
+        return None, None
+    cores = min(plain)
+    return plain[cores], cores
+
+
+def draw(name, n, per_dtype, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matplotlib.rcParams["svg.hashsalt"] = "parallel_backend"
+
+    dtypes = sorted(per_dtype)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(4.2 * len(dtypes), 3.4), squeeze=False)
+    most = 1
+    ref_cores = set()
+    for ax, dtype in zip(axes[0], dtypes):
+        variants = per_dtype[dtype]
+        ref, cores = reference(variants)
+        if ref is None:
+            ax.set_visible(False)
+            continue
+        ref_cores.add(cores)
+        if "thread" in variants and 1 in variants.get("serial", {}):
+            # ThreadExecutor(1) keeps the block loop in the graph: it is SerialExecutor.
+            variants["thread"].setdefault(1, variants["serial"][1])
+        for variant in sorted(variants, key=lambda v: (v != "plain", v)):
+            points = sorted(variants[variant].items())
+            xs = [w for w, _ in points]
+            ys = [ref / s for _, s in points]
+            most = max(most, *xs)
+            style = dict(linestyle="--", color="gray") if variant == "plain" else {}
+            ax.plot(xs, ys, marker="o", label=LABELS.get(variant, variant), **style)
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_title(f"{name} ({n:,} rows, {dtype})", fontsize=9)
+        ax.set_xlabel("cores / workers")
+        ax.set_ylabel("speedup over plain on 1 core")
+        ax.legend(fontsize=7)
+    for ax in axes[0]:
+        ax.set_xticks(range(1, most + 1))
+    fig.tight_layout()
+    base = os.path.join(out_dir, f"speedup_{name}")
+    # A fixed hash salt and no date: the same results give the same file.
+    fig.savefig(base + ".svg", metadata={"Date": None})
+    plt.close(fig)
+    with open(base + ".txt", "w", encoding="utf-8") as fh:
+        fh.write(f"{name}: one value-and-gradient evaluation, {n:,} rows. Speedup of each "
+                 f"variant over plain NumPyro on {'/'.join(map(str, sorted(ref_cores)))} core(s), "
+                 "against the cores (plain, serial) or worker threads it ran with (one worker: the "
+                 "thread executor keeps the loop in the graph, as SerialExecutor); above 1 is "
+                 "faster.\n")
+    return base + ".svg"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="result files or folders of *.jsonl")
+    parser.add_argument("--out", default="docs/_generated", help="folder for the figures")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    paths = []
+    for p in args.results:
+        paths += sorted(glob.glob(os.path.join(p, "*.jsonl"))) if os.path.isdir(p) else [p]
+    os.makedirs(args.out, exist_ok=True)
+    for old in glob.glob(os.path.join(args.out, "speedup_*")):
+        os.remove(old)
+    written = []
+    for (name, n), per_dtype in sorted(load(paths).items()):
+        written.append(draw(name, n, per_dtype, args.out))
+    if not args.quiet:
+        print("\n".join(written))
+    return written
+
+
+if __name__ == "__main__":
+    main()
