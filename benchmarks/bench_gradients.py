@@ -29,6 +29,8 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="comma list of variants to run")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every N by this")
     ap.add_argument("--json", default=None, help="append results as JSON lines here")
+    ap.add_argument("--dask-workers", type=int, default=0,
+                    help="also time DaskExecutor on a local cluster of this many worker processes")
     args = ap.parse_args(argv)
 
     import jax
@@ -38,7 +40,13 @@ def main(argv=None):
     import numpy as np
 
     import parallel_backend as pb
+    import likelihoods
     from likelihoods import LIKELIHOODS
+
+    if args.dask_workers:
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(likelihoods)  # workers may not find the module
 
     dtype = np.dtype(args.dtype)
     cores = len(os.sched_getaffinity(0))
@@ -52,6 +60,10 @@ def main(argv=None):
         executors = {"serial": pb.SerialExecutor(),
                      "thread": pb.ThreadExecutor(),
                      "thread_host": pb.ThreadExecutor(dispatch="host")}
+        if args.dask_workers:
+            executors["dask"] = pb.DaskExecutor(n_workers=args.dask_workers)
+            executors["dask_host"] = pb.DaskExecutor(client=executors["dask"].client,
+                                                     dispatch="host")
         for key, ex in executors.items():
             variants[key] = jax.jit(jax.value_and_grad(
                 lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex), argnums=argnums))
@@ -69,6 +81,13 @@ def main(argv=None):
         med = {k: float(np.median(v)) for k, v in times.items()}
         row = dict(likelihood=name, n=n, dtype=args.dtype, cores=cores,
                    seconds=med, sites={k: ex.stats()["sites"] for k, ex in executors.items()})
+        if args.dask_workers:
+            s = executors["dask_host"].stats()
+            row["dask"] = dict(workers=args.dask_workers, calls=s["calls"],
+                               bytes_sent=s["bytes_sent"], data_bytes_sent=s["data_bytes_sent"],
+                               bytes_per_call=(s["bytes_sent"] - s["data_bytes_sent"]) / max(s["calls"], 1))
+            print(f"{'':12s} dask bytes per call {row['dask']['bytes_per_call']:.0f} "
+                  f"(data sent once: {s['data_bytes_sent']:,} bytes)", flush=True)
         base = med.get("plain")
         ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
         print(f"{name:12s} N={n:>9,} {args.dtype} cores={cores} plain={base * 1e3 if base else float('nan'):.3f}ms "
@@ -76,7 +95,7 @@ def main(argv=None):
         if args.json:
             with open(args.json, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-        for ex in executors.values():
+        for ex in reversed(executors.values()):  # dask_host borrows dask's client
             ex.close()
 
 

@@ -33,9 +33,9 @@ from distributed import Client, LocalCluster
 from distributed.comm.core import CommClosedError
 from distributed.core import send_recv
 
-from ...chunking import Chunk
-from ...errors import ChunkError
-from ...executors.base import Executor
+from parallel_backend.chunking import Chunk
+from parallel_backend.errors import ChunkError
+from parallel_backend.executors.base import Executor
 from . import worker as remote
 
 __all__ = ["DaskExecutor"]
@@ -119,7 +119,7 @@ class DaskExecutor(Executor):
     Examples
     --------
     >>> import jax.numpy as jnp, parallel_backend as pb
-    >>> with pb.DaskExecutor(n_workers=1, dispatch="host") as ex:  # doctest: +SKIP
+    >>> with pb.DaskExecutor(n_workers=1, dispatch="host") as ex:
     ...     float(pb.reduce_sum(lambda x, m: -(x - m) ** 2, jnp.arange(4.0), 1.0, executor=ex))
     -6.0
     """
@@ -244,7 +244,9 @@ class DaskExecutor(Executor):
                     (in_axes[0] if in_axes is not None else (None,) * len(traced))]
         done: dict = {}
         pending = list(tasks)
-        alive = await self._alive()
+        # The workers last seen; the scheduler is asked again only after a failure
+        # (asking costs a scheduler round trip per call).
+        alive = dict(self._nthreads)
         for _ in range(8):
             if not alive:
                 alive = await self._await_workers()

@@ -25,7 +25,7 @@ import cloudpickle
 import numpy as np
 from distributed import WorkerPlugin
 
-from ...errors import ChunkError
+from parallel_backend.errors import ChunkError
 
 __all__ = ["WorkerState", "evaluate", "install", "XLA_FLAGS"]
 
@@ -94,7 +94,7 @@ class WorkerState(WorkerPlugin):
         """The resident rows of ``chunk`` as device arrays, made once per chunk shape."""
         import jax
 
-        from ...site import host_device
+        from parallel_backend.site import host_device
 
         key = (data_token, chunk.first, chunk.count)
         with self.lock:
@@ -124,7 +124,7 @@ class WorkerState(WorkerPlugin):
 
 
 def _site_from_spec(spec):
-    from ...site import Site
+    from parallel_backend.site import Site
 
     fn, data_treedef, shared_treedef, resident_mask, plan, value_dtype, x64, label = spec
     # Resident leaves come per chunk (see WorkerState._view); the mask only tells
