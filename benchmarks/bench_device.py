@@ -1,0 +1,96 @@
+"""Time one value-and-gradient evaluation: plain NumPyro against ``DeviceExecutor``.
+
+Plain is ``jit(value_and_grad)`` of ``fn(data, *params).sum()`` on the default
+device; ``serial`` is ``SerialExecutor()`` (the same block loop on one device) and
+``device`` is ``DeviceExecutor()`` over every device of the process. On a CPU the
+devices are forced host devices, so the flag must be set before JAX starts; this
+script sets it from ``--cpu-devices`` when it is not already in ``XLA_FLAGS``.
+Variants are timed in interleaved rounds and reported as medians and as ratios to
+plain (> 1: faster than plain).
+
+    python benchmarks/bench_device.py --cpu-devices 2 --dtype float64
+    python benchmarks/bench_device.py --likelihoods hmm_50k,hmm_500k --dtype float32  # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--likelihoods", default="logistic_1M,negbin_1M,hmm_50k,logistic_1k",
+                    help="names from likelihoods.py, plus hmm_500k")
+    ap.add_argument("--cpu-devices", type=int, default=2,
+                    help="forced host devices when no accelerator is used")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every N by this")
+    ap.add_argument("--json", default=None, help="append results as JSON lines here")
+    args = ap.parse_args(argv)
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count="
+                                   f"{args.cpu_devices}").strip()
+
+    import jax
+
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    import numpy as np
+
+    import parallel_backend as pb
+    from likelihoods import LIKELIHOODS, hmm
+
+    known = dict(LIKELIHOODS, hmm_500k=(hmm, 500_000))
+    dtype = np.dtype(args.dtype)
+    devices = jax.devices()
+    platform = devices[0].platform
+    kind = devices[0].device_kind
+    for name in args.likelihoods.split(","):
+        make, n = known[name]
+        n = max(1, int(n * args.scale))
+        fn, data, params = make(n, dtype)
+        data = jax.device_put(data, devices[0])
+        argnums = tuple(range(len(params)))
+        variants = {"plain": jax.jit(jax.value_and_grad(
+            lambda *p: fn(data, *p).sum(), argnums=argnums))}
+        executors = {"serial": pb.SerialExecutor(), "device": pb.DeviceExecutor()}
+        for key, ex in executors.items():
+            variants[key] = jax.jit(jax.value_and_grad(
+                lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex), argnums=argnums))
+        times = {k: [] for k in variants}
+        for f in variants.values():  # compile and warm up
+            for _ in range(3):
+                jax.block_until_ready(f(*params))
+        for _ in range(args.rounds):
+            for k, f in variants.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*params))
+                times[k].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        base = med["plain"]
+        row = dict(likelihood=name, n=n, dtype=args.dtype, platform=platform, device_kind=kind,
+                   devices=len(devices), cores=len(os.sched_getaffinity(0)), seconds=med,
+                   ratios={k: base / v for k, v in med.items() if k != "plain"},
+                   sites=executors["device"].stats()["sites"])
+        ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if k != "plain")
+        print(f"{name:12s} N={n:>9,} {args.dtype} {platform}x{len(devices)} "
+              f"plain={base * 1e3:.3f}ms {ratios}  "
+              + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in med.items()), flush=True)
+        if args.json:
+            with open(args.json, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        for ex in executors.values():
+            ex.close()
+
+
+if __name__ == "__main__":
+    main()
