@@ -37,8 +37,13 @@ __all__ = ["profile", "profile_command", "ProfileReport", "ProfileRow"]
 
 #: An executor must beat plain NumPyro by this factor to be recommended.
 MARGIN = 1.1
-#: Timed rounds (each variant once per round); the report gives medians.
+#: Timed rounds (each variant once per round); the report gives medians. Fast models
+#: get more rounds, up to MAX_ROUNDS or until every variant has run TIME_BUDGET
+#: seconds in all, so that a few slow calls (another process taking the cores) do
+#: not decide the median.
 ROUNDS = 7
+MAX_ROUNDS = 61
+TIME_BUDGET = 0.25
 #: Most warm-up calls spent waiting for a chunker to settle.
 MAX_WARMUP = 30
 
@@ -64,7 +69,9 @@ class ProfileRow(NamedTuple):
         Plain NumPyro's seconds divided by ``seconds``: above 1 is faster than plain.
     efficiency : float or None
         Parallel efficiency: seconds of the one-worker thread executor (host
-        dispatch) divided by ``workers * seconds``; ``None`` where it does not apply.
+        dispatch) divided by ``workers * seconds`` for executors whose chunks ran on
+        workers; for a device map, ``SerialExecutor``'s seconds divided by
+        ``workers * seconds``; ``None`` where it does not apply.
     overhead : float or None
         Share of the workers' time not spent evaluating chunks (task dispatch,
         callbacks, idle workers): ``1 - busy / (workers_used * seconds)``; ``None``
@@ -105,10 +112,14 @@ class ProfileReport:
         One sentence: the executor and grainsize to use, or to stay with plain NumPyro.
     best : ProfileRow or None
         The recommended row; ``None`` when plain NumPyro is recommended.
+    samples : dict
+        Per variant (by ``executor`` label): the seconds of every timed round, in
+        order, whose median is the row's ``seconds``.
     """
 
-    def __init__(self, rows, sites, recommendation, best):
+    def __init__(self, rows, sites, recommendation, best, samples=None):
         self.rows = list(rows)
+        self.samples = samples or {}
         self.sites = list(sites)
         self.recommendation = recommendation
         self.best = best
@@ -402,11 +413,14 @@ def _profile(model, model_args, model_kwargs, targets, scratch):
 
     before = [_snapshot(ex) if ex is not None else None for _, ex, _ in variants]
     times = [[] for _ in variants]
-    for _ in range(ROUNDS):
+    rounds = 0
+    while rounds < ROUNDS or (rounds < MAX_ROUNDS
+                              and min(sum(t) for t in times) < TIME_BUDGET):
         for i, f in enumerate(fns):
             t0 = time.perf_counter()
             _call(f, z)
             times[i].append(time.perf_counter() - t0)
+        rounds += 1
     after = [_snapshot(ex) if ex is not None else None for _, ex, _ in variants]
     seconds = [float(np.median(t)) for t in times]
 
@@ -415,6 +429,8 @@ def _profile(model, model_args, model_kwargs, targets, scratch):
     one_worker = next((seconds[i] for i, (_, ex, _) in enumerate(variants)
                        if isinstance(ex, pb.ThreadExecutor) and ex.workers == 1
                        and ex.dispatch == "host"), None)
+    serial = next((seconds[i] for i, (_, ex, _) in enumerate(variants)
+                   if isinstance(ex, pb.SerialExecutor) and ex.dispatch == "graph"), None)
     plain = seconds[0]
     rows = [ProfileRow("plain NumPyro", "plain", 1, "-", plain, 1.0, None, None, (), None)]
     for i, (label, ex, _) in enumerate(variants[1:], start=1):
@@ -427,11 +443,14 @@ def _profile(model, model_args, model_kwargs, targets, scratch):
         overhead = None
         if host_calls > 0:
             # Chunks per gradient evaluation bound how many workers could be busy at once.
-            used = min(ex.workers, max(1, round(chunks / ROUNDS)))
-            overhead = max(0.0, 1.0 - busy / ROUNDS / (used * seconds[i]))
+            used = min(ex.workers, max(1, round(chunks / rounds)))
+            overhead = max(0.0, 1.0 - busy / rounds / (used * seconds[i]))
         efficiency = None
         if one_worker is not None and host_calls > 0:
             efficiency = one_worker / (ex.workers * seconds[i])
+        elif serial is not None and ex.workers > 1 and dispatch == "graph" and ex.name != "thread":
+            # A device map splits the in-graph loop: its one-worker case is SerialExecutor.
+            efficiency = serial / (ex.workers * seconds[i])
         identical = None if reference is None else _identical(outputs[i], reference)
         rows.append(ProfileRow(label, ex.name, ex.workers, dispatch, seconds[i],
                                plain / seconds[i], efficiency, overhead,
@@ -447,7 +466,8 @@ def _profile(model, model_args, model_kwargs, targets, scratch):
         site_info.append(dict(name=name, rows=n, block_rows=plan.block_rows,
                               grainsize=info["grainsize"]))
     recommendation, best = _recommend(rows, site_info)
-    return ProfileReport(rows, site_info, recommendation, best)
+    samples = {row.executor: list(t) for row, t in zip(rows, times)}
+    return ProfileReport(rows, site_info, recommendation, best, samples)
 
 
 def _recommend(rows, sites):

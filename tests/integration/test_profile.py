@@ -168,6 +168,7 @@ def test_cli_profiles_a_user_script(cli, tmp_path):
     assert "recommendation: stay with plain NumPyro" in out.stdout
 
 
+@pytest.mark.slow  # five variants of the demo model compiled: about 10-25 s
 def test_cli_profiles_the_demo_model_and_reports_a_bad_script(cli, tmp_path):
     out = cli("--rows", "5000")
     assert out.returncode == 0, out.stderr
@@ -176,3 +177,35 @@ def test_cli_profiles_the_demo_model_and_reports_a_bad_script(cli, tmp_path):
     bad.write_text("x = 1\n")
     out = cli(str(bad))
     assert out.returncode != 0 and "must define a callable `model`" in out.stderr
+
+
+def test_device_map_is_profiled_when_several_devices_exist(tmp_path):
+    try:
+        pb.DeviceExecutor
+    except (ImportError, AttributeError):
+        pytest.skip("the device plugin (pb.DeviceExecutor) is not installed")
+    script = tmp_path / "device_profile.py"
+    script.write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, numpyro, numpyro.distributions as dist
+        import parallel_backend as pb
+
+        def loglik(y, mu):
+            return dist.Normal(mu, 1.0).log_prob(y)
+
+        def model(y):
+            mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            pb.factor("y", loglik, y, mu, block_rows=256)
+
+        assert len(jax.devices()) == 2
+        y = jnp.asarray(np.random.default_rng(0).normal(size=5000), jnp.float32)
+        report = pb.profile(model, y)
+        row = report.rows[-1]
+        assert row.executor == "DeviceExecutor(2 devices)", report
+        assert row.kind == "device" and row.workers == 2 and row.identical is True, row
+        assert row.efficiency is not None and row.efficiency > 0, row
+        print("ok")
+    """))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
