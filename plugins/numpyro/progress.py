@@ -11,6 +11,7 @@ the compiled program and hence never the draws. Imports jax, numpyro, tqdm.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -51,7 +52,7 @@ class Progress:
     >>> with pb.SerialExecutor() as ex, Progress(ex, 2, 1, 1, enabled=False) as bar:
     ...     bar.tick(1, 3, 0.1, 0.8, False); bar.tick(1, 7, 0.1, 0.9, True)
     ...     bar.count, bar.divergences, bar.postfix()
-    (2, 1, '7 steps of size 1.00e-01. acc. prob=0.90, div=1, grad/s=0, workers=1')
+    (2, 1, 'grad/s=0, workers=1, 7 steps of size 1.00e-01. acc. prob=0.90, div=1')
     >>> sorted(bar.seconds)
     ['sample', 'warmup']
     """
@@ -81,8 +82,12 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
+            # A terminal that reports no size (a fresh pty) would get an empty bar.
+            size = shutil.get_terminal_size((100, 20))
             self._bar = tqdm(total=self.total, file=self.file or sys.stdout, mininterval=0.2,
-                             dynamic_ncols=True, unit="it", desc=self._phase)
+                             ncols=size.columns if size.columns > 0 else 100,
+                             nrows=size.lines if size.lines > 0 else 20, unit="it",
+                             desc=self._phase)
         return self
 
     def __exit__(self, *exc):
@@ -143,9 +148,9 @@ class Progress:
 
     def postfix(self) -> str:
         steps, size, acc = self._last
-        return (f"{steps} steps of size {size:.2e}. acc. prob={acc:.2f}, "
-                f"div={self.divergences}, grad/s={self._rate:.0f}, "
-                f"workers={getattr(self.executor, 'workers', 1)}")
+        return (f"grad/s={self._rate:.0f}, workers={getattr(self.executor, 'workers', 1)}, "
+                f"{steps} steps of size {size:.2e}. acc. prob={acc:.2f}, "
+                f"div={self.divergences}")
 
 
 class ProgressKernel(MCMCKernel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numbers
 
 import jax
+import numpy as np
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.hmc import HMC
 from numpyro.infer.mcmc import MCMCKernel
@@ -152,11 +153,8 @@ def _key(seed):
         raise TypeError(f"sample: seed must be an int or a jax PRNG key, got {seed!r}")
     if isinstance(seed, numbers.Integral):
         return jax.random.PRNGKey(int(seed))
-    try:
-        shape = jax.numpy.shape(seed)
-    except TypeError:
-        shape = None
-    if shape is None or not (shape == () or shape == (2,) or shape[-1:] == (2,)):
+    shape = getattr(seed, "shape", None) if isinstance(seed, (jax.Array, np.ndarray)) else None
+    if shape is None or not (shape == () or shape[-1:] == (2,)):
         raise TypeError(f"sample: seed must be an int or a jax PRNG key "
                         f"(jax.random.PRNGKey(0) or jax.random.key(0)), got {seed!r}")
     return seed
