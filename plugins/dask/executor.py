@@ -69,7 +69,6 @@ class _Remote:
         edges = [round(i * n / slots) for i in range(slots + 1)]
         self.slots = [Chunk(a, b - a) for a, b in zip(edges, edges[1:])]
         self.placement: list = [None] * len(self.slots)  # slot -> worker address
-        self.shipped: set = set()  # (address, slot) sent, as far as we know
 
     def piece(self, slot: int):
         r0, r1 = self.slots[slot].rows(self.site.plan)
@@ -149,6 +148,9 @@ class DaskExecutor(Executor):
             self._client = Client(self._cluster, timeout=self.timeout)
         self._plugin = f"parallel_backend-{uuid.uuid4().hex[:12]}"
         self._remotes: dict = {}
+        # (data token, slots) -> slot placement, shared by every site over the same data,
+        # so a re-traced model finds its data where it was sent before.
+        self._placements: dict = {}
         self._remote_lock = threading.Lock()
         self._quarantine: dict = {}  # address -> time it failed
         self._extra = dict(worker_failures=0, data_bytes_sent=0)
@@ -223,6 +225,8 @@ class DaskExecutor(Executor):
             r = self._remotes.get(site)
             if r is None:
                 r = self._remotes[site] = _Remote(site, self.workers)
+                r.placement = self._placements.setdefault((r.data_token, len(r.slots)),
+                                                          r.placement)
             return r
 
     def map_chunks(self, site, chunks, args):
@@ -293,8 +297,10 @@ class DaskExecutor(Executor):
     def _lose(self, r: _Remote, addr: str) -> None:
         self._quarantine[addr] = time.monotonic()
         self._extra["worker_failures"] += 1
-        r.placement = [None if a == addr else a for a in r.placement]
-        r.shipped = {s for s in r.shipped if s[0] != addr}
+        for placement in self._placements.values():
+            for i, a in enumerate(placement):
+                if a == addr:
+                    placement[i] = None
 
     async def _call(self, addr, r: _Remote, group, traced, row_axes, shared, diff_traced,
                     diff_shared, in_axes):
@@ -329,7 +335,6 @@ class DaskExecutor(Executor):
         reply = await self._send(addr, _INSTALL, args)
         if reply[0] == "gone":
             raise _WorkerGone(reply[1])
-        r.shipped.update((addr, s) for s in slots)
 
     async def _send(self, addr, function: bytes, args: bytes):
         pool = self._client.rpc
@@ -373,6 +378,7 @@ class DaskExecutor(Executor):
         except Exception:  # noqa: BLE001 - a cluster that is gone holds no state to drop
             pass
         self._remotes.clear()
+        self._placements.clear()
         self._release()
 
     def _release(self) -> None:
