@@ -173,7 +173,7 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
         # One replay chunk size for all sites: the smallest asked for.
         cd_all = min([c[0] for c in chunks.values()] or [min(chunk_draws or n_draws, n_draws)])
         tasks = {name: 0 for name in names}
-        evaluators = {name: _evaluator(static[name], slots[0][name], depends, sizes[name],
+        evaluators = {name: _Evaluator(static[name], slots[0][name], depends, sizes[name],
                                        chunks[name][1]) for name in names}
 
         for d0 in range(0, n_draws, cd_all):
@@ -207,44 +207,61 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
     return values, plans
 
 
+class _Evaluator:
+    """``f(leaves, r0) -> (draws, chunk_rows)`` for one site; jitted on first use.
+
+    Holds only the static description, so it pickles (cloudpickle) to processes in
+    other executors; the compiled function is rebuilt there, never shipped.
+    """
+
+    def __init__(self, static, slot_ids, depends, n_rows, chunk_rows):
+        self.fn, self.treedef, self.n_data, _ = static
+        self.batched = tuple(bool(depends[i]) for i in slot_ids)
+        self.n_rows, self.chunk_rows = int(n_rows), int(chunk_rows)
+        self._jitted = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_jitted": None}
+
+    def _build(self):
+        fn, treedef, n_data, batched = self.fn, self.treedef, self.n_data, self.batched
+        n_rows, chunk_rows = self.n_rows, self.chunk_rows
+        in_axes = [0 if b else None for b in batched]
+
+        def per_draw(*leaves):
+            data, shared = jax.tree.unflatten(treedef, list(leaves))
+            return jnp.asarray(fn(data, *shared))
+
+        @jax.jit
+        def evaluate(leaves, r0):
+            rows = jnp.minimum(r0 + jnp.arange(chunk_rows), n_rows - 1)
+            cut = [jnp.take(x, rows, axis=1 if b else 0) if k < n_data else x
+                   for k, (x, b) in enumerate(zip(leaves, batched))]
+            if not any(batched):  # no leaf varies by draw: one row of values for every draw
+                return per_draw(*cut)[None]
+            return jax.vmap(per_draw, in_axes=in_axes)(*cut)
+
+        return evaluate
+
+    def __call__(self, leaves, r0):
+        if self._jitted is None:
+            self._jitted = self._build()
+        out = self._jitted(leaves, np.int32(r0))
+        if out.shape[-1] != self.chunk_rows:
+            raise ValueError(f"log-likelihood: fn must return one value per row, shape "
+                             f"({self.chunk_rows},); got {out.shape[1:]}")
+        return out
+
+
 class _Task:
     """``task(r0)``: one draw chunk x one row chunk, as a numpy array (picklable)."""
 
     def __init__(self, evaluate, leaves):
         self.evaluate = evaluate
-        self.leaves = leaves
+        self.leaves = list(leaves)
 
     def __call__(self, r0):
         return np.asarray(self.evaluate(self.leaves, r0))
-
-
-def _evaluator(static, slot_ids, depends, n_rows, chunk_rows):
-    """A jitted ``f(leaves, r0) -> (draws, chunk_rows)`` for one site."""
-    fn, treedef, n_data, _ = static
-    batched = tuple(bool(depends[i]) for i in slot_ids)
-    in_axes = [0 if b else None for b in batched]
-
-    def per_draw(*leaves):
-        data, shared = jax.tree.unflatten(treedef, list(leaves))
-        return jnp.asarray(fn(data, *shared))
-
-    @jax.jit
-    def evaluate(leaves, r0):
-        rows = jnp.minimum(r0 + jnp.arange(chunk_rows), n_rows - 1)
-        cut = [jnp.take(x, rows, axis=1 if b else 0) if k < n_data else x
-               for k, (x, b) in enumerate(zip(leaves, batched))]
-        if not any(batched):  # no leaf varies by draw: one row of values for every draw
-            return per_draw(*cut)[None]
-        return jax.vmap(per_draw, in_axes=in_axes)(*cut)
-
-    def run(leaves, r0):
-        out = evaluate(leaves, np.int32(r0))
-        if out.shape[-1] != chunk_rows:
-            raise ValueError(f"log-likelihood: fn must return one value per row, shape "
-                             f"({chunk_rows},); got {out.shape[1:]}")
-        return out
-
-    return run
 
 
 def _depends_on_inputs(closed) -> list[bool]:
