@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -59,8 +58,10 @@ class WorkerState(WorkerPlugin):
         self.__dict__.update(state)
 
     def setup(self, worker) -> None:
-        if self.limit_xla_threads and "jax" not in sys.modules:
-            flags = os.environ.get("XLA_FLAGS", "")
+        flags = os.environ.get("XLA_FLAGS", "")
+        if self.limit_xla_threads and XLA_FLAGS not in flags:
+            # XLA reads the flags when its CPU client starts (the first computation), so
+            # this takes effect in a fresh worker; one that already ran JAX keeps its own.
             os.environ["XLA_FLAGS"] = f"{flags} {XLA_FLAGS}".strip()
         threads = getattr(worker.state, "nthreads", None) or getattr(worker, "nthreads", 1)
         self.address = worker.address

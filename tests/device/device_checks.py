@@ -168,7 +168,7 @@ def nuts(pb, jax, jnp, np, n_devices, which):
 
     def draws(ex, chains, method):
         with pb.use_executor(ex):
-            mcmc = MCMC(NUTS(model), num_warmup=50, num_samples=50, num_chains=chains,
+            mcmc = MCMC(NUTS(model), num_warmup=30, num_samples=30, num_chains=chains,
                         chain_method=method, progress_bar=False)
             mcmc.run(jax.random.PRNGKey(3), data)
         return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
