@@ -40,7 +40,7 @@ source_suffix = {".rst": "restructuredtext"}
 exclude_patterns = ["_build"]
 templates_path: list = []
 html_theme = "alabaster"
-html_static_path = ["_static"]
+html_static_path: list = []  # nothing static of our own; an empty folder is not kept by git
 html_theme_options = {"description": "Parallel gradients for one NumPyro chain",
                       "fixed_sidebar": True}
 
