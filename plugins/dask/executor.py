@@ -60,7 +60,12 @@ class _Remote:
         resident_mask = tuple(r is not None for r in site.resident)
         spec = (site.fn, site.data_treedef, site.shared_treedef, resident_mask, site.plan,
                 site.value_dtype, site.x64, site.label)
-        self.spec = cloudpickle.dumps(spec)
+        try:
+            self.spec = cloudpickle.dumps(spec)
+        except Exception as e:
+            raise TypeError(f"DaskExecutor: fn {site.label!r} (and what it refers to) must be "
+                            f"picklable with cloudpickle to run on dask workers: "
+                            f"{type(e).__name__}: {e}") from e
         self.token = hashlib.blake2b(self.spec, digest_size=16).hexdigest()
         self.leaves = tuple(None if r is None else np.asarray(r) for r in site.resident)
         self.data_token = _content_token(self.leaves, site.plan)

@@ -178,6 +178,19 @@ def test_error_in_fn_names_type_rows_and_executor(dask_host, x64):
         jax.block_until_ready(f(1.0))
 
 
+def test_unpicklable_fn_is_named(dask_host, x64):
+    lock = threading.Lock()
+
+    def holds_a_lock(rows, m):
+        with lock:
+            pass
+        return rows * m
+
+    f = jax.jit(lambda m: pb.reduce_sum(holds_a_lock, jnp.arange(100.0), m, executor=dask_host))
+    with pytest.raises(Exception, match="holds_a_lock.*picklable with cloudpickle"):
+        jax.block_until_ready(f(1.0))
+
+
 def test_nuts_draws_identical_to_serial(dask_host, x64):
     data = make_data()
     got = run_nuts(dask_host, data)
