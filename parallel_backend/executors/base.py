@@ -142,8 +142,10 @@ class Executor:
                  orig_ndims, count: bool = True):
         """Run one evaluation on the workers and return per-block partials.
 
-        Called from the host callback with numpy arrays. Batched arguments (under
-        ``vmap``) carry leading batch axes; all batch members go in each task.
+        Called from the host callback with host arrays (jax 0.10 hands the callback
+        ``jax.Array`` values, not numpy: an executor that pickles them converts them
+        first). Batched arguments (under ``vmap``) carry leading batch axes; all batch
+        members go in each task.
         """
         self._check_open()
         t0 = time.perf_counter()

@@ -162,6 +162,9 @@ class DaskExecutor(Executor):
         try:
             self._client.register_plugin(remote.WorkerState(self._plugin), name=self._plugin)
             self._nthreads = self._wait_for_workers()
+            # Looked up once: it is a scheduler round trip, and repr/stats show it.
+            services = self._client.scheduler_info().get("services", {})
+            self._dashboard = self._client.dashboard_link if "dashboard" in services else None
         except BaseException:
             self._release()
             raise
@@ -179,11 +182,8 @@ class DaskExecutor(Executor):
 
     @property
     def dashboard_link(self) -> str | None:
-        try:
-            services = self._client.scheduler_info().get("services", {})
-        except Exception:  # noqa: BLE001 - a closed client has no dashboard
-            return None
-        return self._client.dashboard_link if "dashboard" in services else None
+        """The scheduler's dashboard, where it serves one."""
+        return self._dashboard
 
     @property
     def workers(self) -> int:
@@ -269,7 +269,7 @@ class DaskExecutor(Executor):
                 if isinstance(out, ChunkError):
                     raise out
                 if isinstance(out, (_WorkerGone, *_LOST)):
-                    self._lose(r, addr)
+                    self._lose(addr)
                     lost = True
                 elif isinstance(out, BaseException):
                     raise out
@@ -299,7 +299,7 @@ class DaskExecutor(Executor):
             groups.setdefault(r.placement[t[0]], []).append(t)
         return groups
 
-    def _lose(self, r: _Remote, addr: str) -> None:
+    def _lose(self, addr: str) -> None:
         self._quarantine[addr] = time.monotonic()
         self._extra["worker_failures"] += 1
         for placement in self._placements.values():
@@ -373,7 +373,7 @@ class DaskExecutor(Executor):
         out = super().stats()
         out.update(self._extra)
         out["scheduler"] = None if self._closed else self.scheduler_address
-        out["dashboard"] = None if self._closed else self.dashboard_link
+        out["dashboard"] = None if self._closed else self._dashboard
         return out
 
     def _shutdown(self) -> None:
@@ -396,8 +396,7 @@ class DaskExecutor(Executor):
     def __repr__(self) -> str:
         if self._closed:
             return "DaskExecutor(closed)"
-        dash = self.dashboard_link
-        dash = f", dashboard={dash!r}" if dash else ""
+        dash = f", dashboard={self._dashboard!r}" if self._dashboard else ""
         return (f"DaskExecutor(scheduler={self.scheduler_address!r}, workers={self.workers}"
                 f"{dash}, dispatch={self.dispatch!r}, calls={self._counts['calls']})")
 

@@ -225,6 +225,7 @@ def test_own_local_cluster_is_closed(x64):
         exact = loglik(make_data(500), 0.1, 1.0, 1.0).sum()
         np.testing.assert_allclose(v, exact, rtol=1e-10)
         assert ex.workers == 1
+        assert {p.pid for p in multiprocessing.active_children()} - before  # it did start some
     finally:
         ex.close()
     deadline = time.time() + 10
