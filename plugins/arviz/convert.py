@@ -93,6 +93,7 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
         model_kwargs = mcmc._kwargs  # noqa: SLF001
     model_args, model_kwargs = tuple(model_args), dict(model_kwargs)
     dims = dict(dims or {})
+    own = isinstance(executor, str)  # made here from a name: closed when done
     ex = pb.executors.resolve_executor(executor)
 
     samples = mcmc.get_samples(group_by_chain=True)
@@ -112,7 +113,8 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
     if log_likelihood and factor_sites:
         t0 = time.perf_counter()
         values, plans = pointwise_log_likelihood(
-            model, flat, *model_args, executor=executor, chunk_draws=chunk_draws,
+            model, flat, *model_args, executor=ex if executor is not None else None,
+            chunk_draws=chunk_draws,
             chunk_rows=chunk_rows, **model_kwargs)
         ll_seconds = time.perf_counter() - t0
         ll = {name: v.reshape((n_chains, n_draws) + v.shape[1:]) for name, v in values.items()}
@@ -140,6 +142,8 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
                 idata.add_groups(constant_data=ds)
 
     stats = ex.stats()
+    if own:
+        ex.close()
     info = {
         "parallel_backend_version": pb.__version__,
         "executor": stats["executor"],

@@ -11,6 +11,7 @@ the core's public names and the NumPyro plugin; never ArviZ.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -69,9 +70,10 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
         draw axis ``D`` (flatten chains first).
     *model_args, **model_kwargs
         The model's arguments, as given to ``MCMC.run``.
-    executor : Executor, optional
+    executor : Executor or str, optional
         Who evaluates the row chunks; default: each site's own ``executor=``, else
-        the innermost ``use_executor``, else the default executor.
+        the innermost ``use_executor``, else the default executor. Executors made
+        here from a name are closed before returning.
     chunk_draws, chunk_rows : int, optional
         Draws replayed together and rows per task. The defaults depend only on
         ``D`` and the site's rows; at most ``chunk_draws x N`` replayed row data
@@ -128,17 +130,25 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
                    and not site.get("infer", {}).get("is_auxiliary", False)}
         return out, obs
 
+    # Resolved before the private executor below becomes the innermost one.
+    outer = pb.executors.resolve_executor() if executor is None else None
     # The replay's own reduce_sum results are unused; under jit they are dropped, and
     # a private serial executor keeps them out of the caller's executor and its stats.
-    with pb.SerialExecutor(count_calls=False) as scratch, pb.use_executor(scratch):
-        closed = jax.make_jaxpr(replay)(first)
+    with contextlib.ExitStack() as owned, pb.SerialExecutor(count_calls=False) as scratch, \
+            pb.use_executor(scratch):
+        closed, shapes = jax.make_jaxpr(replay, return_shape=True)(first)
         depends = _depends_on_inputs(closed)
-        flat_out, out_tree = jax.tree.flatten(jax.eval_shape(replay, first))
+        flat_out, out_tree = jax.tree.flatten(shapes)
         dep_idx = [i for i, d in enumerate(depends) if d]
         # Concrete values of the leaves that do not depend on the draws.
         const_vals = jax.jit(lambda d: [x for x, dep in zip(jax.tree.leaves(replay(d)), depends)
                                         if not dep])(first)
-        replay_dep = jax.jit(jax.vmap(lambda d: [jax.tree.leaves(replay(d))[i] for i in dep_idx]))
+
+        def replay_leaves(d):  # the model traced once, not once per leaf
+            leaves = jax.tree.leaves(replay(d))
+            return [leaves[i] for i in dep_idx]
+
+        replay_dep = jax.jit(jax.vmap(replay_leaves))
 
         # Which flat output each site leaf is, and whether it varies by draw.
         names = list(static)
@@ -175,6 +185,12 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
         tasks = {name: 0 for name in names}
         evaluators = {name: _Evaluator(static[name], slots[0][name], depends, sizes[name],
                                        chunks[name][1]) for name in names}
+        site_executors = {}
+        for name in names:
+            given = executor if executor is not None else static[name][3]
+            site_executors[name] = outer if given is None else pb.executors.resolve_executor(given)
+            if isinstance(given, str):  # made here from a name: closed when done
+                owned.enter_context(site_executors[name])
 
         for d0 in range(0, n_draws, cd_all):
             d1 = min(d0 + cd_all, n_draws)
@@ -187,8 +203,7 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
                     const_of[i], (cd_all,) + tuple(const_of[i].shape))
                 values[name][d0:d1] = np.asarray(v)[: d1 - d0]
             for name in names:
-                ex = executor if executor is not None else pb.executors.resolve_executor(
-                    static[name][3])
+                ex = site_executors[name]
                 site_leaves = [dep_vals[dep_pos[i]] if depends[i] else const_of[i]
                                for i in slots[0][name]]
                 evaluate = evaluators[name]
