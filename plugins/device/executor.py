@@ -209,7 +209,6 @@ class DeviceExecutor(Executor):
 
     def _place(self, site):
         """Lay out and place ``site``'s concrete data on the devices, once."""
-        self._check_open()
         with self._place_lock:
             placed = self._placed.get(site)
             if placed is None:
@@ -237,7 +236,8 @@ class DeviceExecutor(Executor):
         in_place = not jax.sharding.get_abstract_mesh().empty
         with self._place_lock:
             self._params[site] = _Params(sum(_nbytes(s) for s in shared),
-                                         sum(_nbytes(t) for t in traced), in_place)
+                                         sum(_nbytes(t) for t in traced),
+                                         1 if in_place else self.layout(site).active)
         if in_place:
             return site.graph_partials(traced, shared, diff_traced, diff_shared)
         layout, resident = self._place(site)
@@ -257,10 +257,9 @@ class DeviceExecutor(Executor):
 
     def count_graph_call(self, site, batch: int = 1) -> None:
         """One evaluation: a block run per busy device; parameters replicated to each."""
-        info = self._params.get(site, _Params(0, 0, False))
-        devices = 1 if info.in_place else self.layout(site).active
-        self._count(graph_calls=1, calls=1, chunks=devices, rows=site.plan.n_rows * batch,
-                    bytes_sent=(info.replicated * devices + info.split) * batch)
+        info = self._params.get(site) or _Params(0, 0, self.layout(site).active)
+        self._count(graph_calls=1, calls=1, chunks=info.devices, rows=site.plan.n_rows * batch,
+                    bytes_sent=(info.replicated * info.devices + info.split) * batch)
 
     def stats(self) -> dict:
         """What this executor did since it was made.
@@ -281,8 +280,7 @@ class DeviceExecutor(Executor):
             sites = list(self._sites.values())
         for entry, site in zip(out["sites"], sites):
             lay = self.layout(site)
-            entry["chunk_rows"] = [min(lay.per_device * lay.block_rows + lay.tail_rows,
-                                       site.plan.n_rows)]
+            entry["chunk_rows"] = [min(lay.local_rows, site.plan.n_rows)]
             entry["devices"] = lay.active
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
         out["devices"] = [str(d) for d in self._devices]
@@ -305,11 +303,11 @@ class DeviceExecutor(Executor):
 
 
 class _Params(NamedTuple):
-    """Bytes of parameters per evaluation of one site, and whether it ran in place."""
+    """Per evaluation of one site, as traced: parameter bytes and busy devices."""
 
     replicated: int  # shared leaves: a copy to every device
     split: int  # traced data leaves (per-row parameters): split over the devices
-    in_place: bool
+    devices: int  # devices that run blocks (1 when it ran in place, inside pmap)
 
 
 def _device_body(site, layout: DeviceLayout, diff_traced, diff_shared):
@@ -355,12 +353,7 @@ def _gather_blocks(outs, layout: DeviceLayout):
         start = last * lay.tail_rows
         parts.append((values[last:], tuple(g[last:] for g in g_shared),
                       tuple(g[start:] for g in g_data)))
-    if len(parts) == 1:
-        return parts[0]
-    (v0, s0, d0), (v1, s1, d1) = parts
-    return (jnp.concatenate([v0, v1]),
-            tuple(jnp.concatenate([a, b]) for a, b in zip(s0, s1)),
-            tuple(jnp.concatenate([a, b]) for a, b in zip(d0, d1)))
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
 def _nbytes(x) -> int:
