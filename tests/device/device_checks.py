@@ -12,63 +12,25 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 #: Rows per block in every check: N = 1000 gives 15 full blocks and a tail of 40,
 #: so devices get uneven shares, padded slots and the tail.
 N, BLOCK_ROWS, BATCH = 1000, 64, 4
 
 
-def problems(jnp, jax, np):
-    """name -> (fn, data, row_params, params, constrain): as tests/conftest.py's."""
-    rng = np.random.default_rng(0)
-    out = {}
+def problems(n: int = N) -> dict:
+    """name -> :class:`Problem` from ``tests/conftest.py`` (a script cannot take fixtures)."""
+    import importlib.util
 
-    group = rng.integers(0, 5, size=N).astype(np.int32)
-    y = rng.normal(size=N) + np.linspace(-1, 1, 5)[group]
+    import numpy as np
 
-    def re_loglik(d, p):
-        mean = p["mu"] + p["tau"][d["group"]] + d["u"]
-        return (-0.5 * ((d["y"] - mean) / p["sigma"]) ** 2 - jnp.log(p["sigma"])
-                - 0.5 * d["u"] ** 2)
-
-    def re_constrain(p):
-        return ({"mu": p["mu"], "tau": p["tau"], "sigma": jnp.exp(p["log_sigma"])},)
-
-    out["random_effects"] = (
-        re_loglik, {"y": jnp.asarray(y), "group": jnp.asarray(group)},
-        {"u": jnp.asarray(0.1 * rng.normal(size=N))},
-        {"mu": jnp.asarray(0.2), "tau": jnp.linspace(-0.5, 0.5, 5), "log_sigma": jnp.asarray(-0.1)},
-        re_constrain)
-
-    X = rng.normal(size=(N, 3))
-    lab = (rng.random(N) < 1 / (1 + np.exp(-(X @ [1.0, -2.0, 0.5])))).astype(np.int32)
-
-    def logistic(d, beta, b0):
-        eta = d["X"] @ beta + b0
-        return jnp.where(d["y"] == 1, jax.nn.log_sigmoid(eta), jax.nn.log_sigmoid(-eta))
-
-    out["logistic"] = (logistic, {"X": jnp.asarray(X), "y": jnp.asarray(lab)}, {},
-                       (jnp.asarray([0.8, -1.5, 0.2]), jnp.asarray(0.1)), lambda p: p)
-
-    obs = np.linspace(-2, 2, 3)[rng.integers(0, 3, size=(N, 6))] + rng.normal(size=(N, 6))
-
-    def hmm(y, logits, mu, log_sigma):
-        log_trans = jax.nn.log_softmax(logits, axis=-1)
-
-        def emit(y_t):
-            z = (y_t[:, None] - mu) / jnp.exp(log_sigma)
-            return -0.5 * z * z - log_sigma
-
-        def step(alpha, y_t):
-            alpha = jax.scipy.special.logsumexp(alpha[:, :, None] + log_trans, axis=1)
-            return alpha + emit(y_t), None
-
-        alpha, _ = jax.lax.scan(step, emit(y[:, 0]) - jnp.log(3.0), y[:, 1:].T)
-        return jax.scipy.special.logsumexp(alpha, axis=-1)
-
-    out["hmm"] = (hmm, jnp.asarray(obs), {}, (2.0 * jnp.eye(3), jnp.linspace(-1.8, 1.8, 3),
-                                              jnp.asarray(0.1)), lambda p: p)
-    return out
+    path = Path(__file__).parent.parent / "conftest.py"
+    spec = importlib.util.spec_from_file_location("parallel_backend_tests_conftest", path)
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return {name: conftest.PROBLEMS[name](n, np.random.default_rng(0))
+            for name in ("random_effects", "logistic", "hmm")}
 
 
 def run(n_devices: int, nuts_runs=("one_chain", "parallel")) -> dict:
@@ -95,52 +57,33 @@ def run(n_devices: int, nuts_runs=("one_chain", "parallel")) -> dict:
         return max(float(np.max(np.abs(x - y), initial=0.0) / max(np.max(np.abs(y), initial=0.0), 1e-300))
                    for x, y in zip(leaves(a), leaves(b)))
 
-    def split(p, ex):
-        fn, data, _, _, constrain = p
-
-        def f(row_params, params):
-            return pb.reduce_sum(fn, {**data, **row_params} if row_params else data,
-                                 *constrain(params), executor=ex, block_rows=BLOCK_ROWS)
-        return f
-
-    def unsplit(p):
-        fn, data, _, _, constrain = p
-
-        def f(row_params, params):
-            return fn({**data, **row_params} if row_params else data, *constrain(params)).sum()
-        return f
-
-    def batch(p):
-        scales = jnp.linspace(0.5, 1.5, BATCH)
-        return jax.tree.map(lambda x: jnp.stack([x * s for s in scales]), (p[2], p[3]))
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # several devices: no warning expected
         dev = pb.DeviceExecutor()
     serial = pb.SerialExecutor()
-    for name, p in problems(jnp, jax, np).items():
+    for name, p in problems().items():
         vg = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
-        got = jax.jit(vg(split(p, dev)))(p[2], p[3])
-        ref = jax.jit(vg(split(p, serial)))(p[2], p[3])
-        exact = jax.jit(vg(unsplit(p)))(p[2], p[3])
-        bt = batch(p)
-        got_v = jax.jit(jax.vmap(vg(split(p, dev))))(*bt)
-        ref_v = jax.jit(jax.vmap(vg(split(p, serial))))(*bt)
-        exact_v = jax.jit(jax.vmap(vg(unsplit(p))))(*bt)
+        got = jax.jit(vg(p.split(dev, block_rows=BLOCK_ROWS)))(*p.args)
+        ref = jax.jit(vg(p.split(serial, block_rows=BLOCK_ROWS)))(*p.args)
+        exact = jax.jit(vg(p.unsplit()))(*p.args)
+        bt = p.batch(BATCH)
+        got_v = jax.jit(jax.vmap(vg(p.split(dev, block_rows=BLOCK_ROWS))))(*bt)
+        ref_v = jax.jit(jax.vmap(vg(p.split(serial, block_rows=BLOCK_ROWS))))(*bt)
+        exact_v = jax.jit(jax.vmap(vg(p.unsplit())))(*bt)
         res[name] = dict(identical=identical(got, ref), rel_err=max_rel(got, exact),
                          vmap_identical=identical(got_v, ref_v), vmap_rel_err=max_rel(got_v, exact_v),
-                         eager_identical=identical(vg(split(p, dev))(p[2], p[3]), ref))
+                         eager_identical=identical(vg(p.split(dev, block_rows=BLOCK_ROWS))(*p.args),
+                                                   ref))
     res["stats"] = {k: v for k, v in dev.stats().items() if k != "sites"}
-    res["site_chunk_rows"] = [s["chunk_rows"] for s in dev.stats()["sites"]]
     res["layout"] = [dev.layout(s).blocks_on(d) for s in list(dev._sites.values())[:1]
                      for d in range(n_devices)]
 
     # Stats of one value-and-gradient evaluation, counted exactly.
     with pb.DeviceExecutor() as ex:
-        fn, data, rp, params, constrain = problems(jnp, jax, np)["random_effects"]
-        f = jax.jit(jax.value_and_grad(split((fn, data, rp, params, constrain), ex), argnums=(0, 1)))
+        p = problems()["random_effects"]
+        f = jax.jit(jax.value_and_grad(p.split(ex, block_rows=BLOCK_ROWS), argnums=(0, 1)))
         for _ in range(3):
-            jax.block_until_ready(f(rp, params))
+            jax.block_until_ready(f(*p.args))
         res["stats_3_calls"] = {k: v for k, v in ex.stats().items() if k != "sites"}
     res["closed_repr"] = repr(ex)
     res["nuts"] = nuts(pb, jax, jnp, np, n_devices, nuts_runs)
