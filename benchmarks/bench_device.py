@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +47,7 @@ def main(argv=None):
 
     import parallel_backend as pb
     from likelihoods import LIKELIHOODS, hmm
+    from timing import interleaved_medians
 
     known = dict(LIKELIHOODS, hmm_500k=(hmm, 500_000))
     dtype = np.dtype(args.dtype)
@@ -66,16 +66,7 @@ def main(argv=None):
         for key, ex in executors.items():
             variants[key] = jax.jit(jax.value_and_grad(
                 lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex), argnums=argnums))
-        times = {k: [] for k in variants}
-        for f in variants.values():  # compile and warm up
-            for _ in range(3):
-                jax.block_until_ready(f(*params))
-        for _ in range(args.rounds):
-            for k, f in variants.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*params))
-                times[k].append(time.perf_counter() - t0)
-        med = {k: float(np.median(v)) for k, v in times.items()}
+        med = interleaved_medians(variants, params, args.rounds, warmup=3)
         base = med["plain"]
         row = dict(likelihood=name, n=n, dtype=args.dtype, platform=platform, device_kind=kind,
                    devices=len(devices), cores=len(os.sched_getaffinity(0)), seconds=med,

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +41,7 @@ def main(argv=None):
     import parallel_backend as pb
     import likelihoods
     from likelihoods import LIKELIHOODS
+    from timing import interleaved_medians
 
     if args.dask_workers:
         import cloudpickle
@@ -69,16 +69,7 @@ def main(argv=None):
                 lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex), argnums=argnums))
         if args.only:
             variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
-        times = {k: [] for k in variants}
-        for f in variants.values():  # compile, calibrate, let the chunker settle
-            for _ in range(6):
-                jax.block_until_ready(f(*params))
-        for _ in range(args.rounds):
-            for k, f in variants.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*params))
-                times[k].append(time.perf_counter() - t0)
-        med = {k: float(np.median(v)) for k, v in times.items()}
+        med = interleaved_medians(variants, params, args.rounds, warmup=6)
         row = dict(likelihood=name, n=n, dtype=args.dtype, cores=cores,
                    seconds=med, sites={k: ex.stats()["sites"] for k, ex in executors.items()})
         if args.dask_workers:
