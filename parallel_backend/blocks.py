@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["BlockPlan", "plan_blocks", "tree_sum"]
+__all__ = ["BlockPlan", "plan_blocks", "row_bytes", "tree_sum"]
 
 #: Bytes of data per block the default plan aims at: a block's working set then
 #: stays in cache, which measured faster than both small and very large blocks.
@@ -102,6 +102,19 @@ def plan_blocks(n_rows: int, block_rows: int | None = None, row_bytes: int = 8) 
     block_rows = int(block_rows)
     n_full, tail = divmod(n_rows, block_rows)
     return BlockPlan(n_rows, block_rows, n_full, tail)
+
+
+def row_bytes(leaves) -> int:
+    """Bytes of data per row: one row of every leaf (arrays or tracers), in the dtypes
+    JAX will use (float64 data counts as float32 unless x64 is on).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> row_bytes([np.zeros((10, 3), np.float32), np.zeros(10, np.int32)])
+    16
+    """
+    return sum(math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize for x in leaves)
 
 
 def default_block_rows(n_rows: int, row_bytes: int) -> int:

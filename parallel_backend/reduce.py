@@ -9,14 +9,13 @@ imports jax, numpy and the core modules; never NumPyro, dask or ArviZ.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from .blocks import plan_blocks
+from .blocks import plan_blocks, row_bytes
 from .executors.registry import resolve_executor
 from .site import Site, combine
 
@@ -96,8 +95,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     shared_leaves, shared_treedef = jax.tree_util.tree_flatten(shared)
     shared_leaves = [_as_leaf(x, "shared") for x in shared_leaves]
 
-    row_bytes = sum(math.prod(jnp.shape(x)[1:]) * jnp.result_type(x).itemsize for x in leaves)
-    plan = plan_blocks(n_rows, block_rows, row_bytes=row_bytes)
+    plan = plan_blocks(n_rows, block_rows, row_bytes=row_bytes(leaves))
     if n_rows == 0:
         return jnp.zeros((), _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
     value_dtype = None

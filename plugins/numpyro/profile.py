@@ -8,7 +8,8 @@ imports numpyro, jax and the core's public names; pandas, matplotlib and the das
 and device plugins only when asked for.
 
 How a model is measured: the ``pb.factor`` sites are found in a trace; the
-unconstrained initial parameters come from ``numpyro.infer.util.initialize_model``;
+unconstrained initial parameters are drawn with ``init_to_uniform`` and mapped by
+``unconstrain_fn`` (no compilation, unlike ``initialize_model``);
 then, per variant, ``jit(value_and_grad(potential_energy))`` of the model is built
 with every ``pb.factor`` site's log-density replaced (``fn(data, *shared).sum()``
 for plain NumPyro, ``reduce_sum(..., executor=ex)`` otherwise). Each variant is
@@ -30,6 +31,7 @@ import numpyro
 from numpyro.primitives import Messenger
 
 import parallel_backend as pb
+from parallel_backend.blocks import row_bytes
 
 from .factor import INFER_KEY, reduce_sum_sites
 
@@ -462,9 +464,7 @@ def _profile(model, model_args, model_kwargs, targets, scratch):
     for name, info in sites.items():
         leaves = jax.tree.leaves(info["data"])
         n = int(np.shape(leaves[0])[0]) if leaves else 0
-        row_bytes = sum(math.prod(np.shape(x)[1:]) * jax.numpy.result_type(x).itemsize
-                        for x in leaves)
-        plan = pb.plan_blocks(n, info["block_rows"], row_bytes=row_bytes)
+        plan = pb.plan_blocks(n, info["block_rows"], row_bytes=row_bytes(leaves))
         site_info.append(dict(name=name, rows=n, block_rows=plan.block_rows,
                               grainsize=info["grainsize"]))
     samples = {row.executor: list(t) for row, t in zip(rows, times)}

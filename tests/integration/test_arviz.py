@@ -167,6 +167,20 @@ def test_log_likelihood_bitwise_same_on_every_executor(run):
                                rtol=2e-6, atol=2e-6)
 
 
+def test_log_likelihood_on_an_executor_given_by_name(run):
+    """A name (as for ``reduce_sum``) makes an executor for the job; same values."""
+    idata, args, _ = run
+    post = idata.posterior
+    flat = {k: post[k].values.reshape((CHAINS * DRAWS,) + post[k].shape[2:])
+            for k in ("mu", "beta", "sigma", "theta")}
+    by_name, _ = pointwise_log_likelihood(model, flat, *args, executor="thread",
+                                          chunk_draws=25, chunk_rows=50)
+    with pb.SerialExecutor() as ex:
+        ref, _ = pointwise_log_likelihood(model, flat, *args, executor=ex, chunk_draws=25,
+                                          chunk_rows=50)
+    np.testing.assert_array_equal(by_name["y"], ref["y"])
+
+
 def test_coords_and_dims(run):
     idata, args, _ = run
     # to_arviz on a plain MCMC made by the user, with coords/dims for the rows.

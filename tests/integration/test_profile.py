@@ -70,7 +70,8 @@ def test_report_has_a_row_per_executor_and_a_recommendation():
         if row.dispatch == "host":
             assert row.overhead is not None and 0.0 <= row.overhead <= 1.0
             assert row.chunk_rows and all(0 < c <= 20_000 for c in row.chunk_rows)
-    assert report.sites == [dict(name="y", rows=20_000, block_rows=report.sites[0]["block_rows"],
+    assert report.sites == [dict(name="y", rows=20_000,
+                                 block_rows=pb.plan_blocks(20_000, row_bytes=4).block_rows,
                                  grainsize=None)]
     assert isinstance(report.recommendation, str)
     if report.best is None:
