@@ -1,6 +1,6 @@
-"""The device-map executor: ``reduce_sum`` blocks split over JAX devices with ``shard_map``.
+"""The device-map executor: ``reduce_sum`` blocks split over JAX devices.
 
-Imports jax and the core's public names. Found through the
+Imports jax and the core. Found through the
 ``parallel_backend.executors`` entry point ``device`` and re-exported as
 ``pb.DeviceExecutor``.
 """

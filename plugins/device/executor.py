@@ -1,21 +1,32 @@
-"""``DeviceExecutor``: the blocks of a ``reduce_sum`` call as a ``shard_map`` over devices.
+"""``DeviceExecutor``: the blocks of a ``reduce_sum`` call split over JAX devices.
 
 This module owns the device layout of a call site (which blocks each device
-evaluates), the data placed once on the devices with a ``NamedSharding``, and
-the ``shard_map`` that runs the core's block loop on every device inside the
-caller's XLA program (no host callback). It imports jax, numpy and the core's
-public names only.
+evaluates), the data placed once on the devices, and the two ways the devices
+run their blocks:
 
-Layout, for ``D`` devices and a plan of ``n_full`` full blocks and a tail block
-of ``tail_rows`` rows: device ``d`` holds the full blocks
+* ``dispatch="host"`` (what ``"auto"`` picks when splitting pays): one host
+  callback per evaluation; each device runs its own contiguous run of blocks as a
+  one-device program (the core's compiled chunk loop) on rows that stay on that
+  device. The caller's program never spans several devices, so XLA compiles it
+  exactly as it compiles it for ``SerialExecutor``: values, gradients and draws are
+  the same bits.
+* ``dispatch="graph"``: a ``shard_map`` inside the caller's XLA program, no
+  callback. XLA compiles a program that spans several devices with its
+  multi-device pipeline (an extra common-subexpression pass before algebraic
+  simplification), which may round the caller's own arithmetic and ``fn``'s
+  gradient differently in the last bit; see :class:`DeviceExecutor`.
+
+Graph layout, for ``D`` devices and a plan of ``n_full`` full blocks and a tail
+block of ``tail_rows`` rows: device ``d`` holds the full blocks
 ``[d * per_device, (d + 1) * per_device)`` (the last devices' slots are padded
 with zero rows when ``D`` does not divide ``n_full``), followed by a tail slot of
 ``tail_rows`` rows that holds the real tail on the last device only. Every device
 runs the same two loops as ``Site.graph_partials`` (the full blocks, then the
 tail), with runtime trip counts that skip the padded slots, so padding never
 enters a block's value. The per-block partials come back in block order and the
-core folds them exactly as it folds ``SerialExecutor``'s: the results are the
-same bits.
+core folds them exactly as it folds ``SerialExecutor``'s.
+
+Imports jax, numpy and the core only.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -32,6 +44,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import Executor
+from parallel_backend.chunking import Chunk
 
 __all__ = ["DeviceExecutor", "DeviceLayout", "device_layout"]
 
@@ -116,21 +129,11 @@ def spread_rows(x, layout: DeviceLayout, xp=np):
 
 
 class DeviceExecutor(Executor):
-    """Evaluate the blocks on several JAX devices with ``jax.shard_map``.
+    """Evaluate the blocks on several JAX devices: CPU devices or GPUs.
 
-    The rows of ``data`` are split over a one-axis mesh of ``devices``; each device
-    runs the same block loop as :class:`~parallel_backend.SerialExecutor` over its
-    blocks, inside the caller's XLA program (no host callback), and the per-block
-    partials are combined in block order. Values, gradients and NUTS draws are
-    therefore bitwise those of ``SerialExecutor`` on the same platform.
-
-    Data that is concrete when the model is traced is laid out and placed on the
-    devices once per call site (a ``NamedSharding``); parameters are replicated to
-    every device per evaluation, per-row parameters (traced data leaves) are split
-    like the data. Under ``jax.vmap`` (NumPyro's ``chain_method="vectorized"``) the
-    whole batch runs on every device. Inside ``jax.pmap`` (NumPyro's
-    ``chain_method="parallel"``, one chain per device) each chain already owns a
-    device, so the block loop runs in place on that device.
+    Each device holds a contiguous run of the blocks' rows, placed once, and
+    evaluates those blocks; the per-block partials come back in block order and are
+    combined as :class:`~parallel_backend.SerialExecutor` combines them.
 
     Parameters
     ----------
@@ -138,8 +141,27 @@ class DeviceExecutor(Executor):
         The devices to split over, all of one platform; default ``jax.devices()``.
         On a CPU-only machine there are several only when the process started
         with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
+    dispatch : {"auto", "host", "graph"}
+        ``"host"``: one host callback per evaluation hands the parameters to every
+        device; each device runs its blocks as a one-device program on the rows it
+        keeps. The caller's program stays a one-device program, so values,
+        gradients and NUTS draws are bitwise those of ``SerialExecutor``.
+        ``"auto"`` (default): the same, but small or fast work (and everything when
+        there is one device) stays in the caller's program on its own device, run
+        as ``SerialExecutor`` runs it; which of the two is measured once per call
+        site, as :class:`~parallel_backend.ThreadExecutor` measures. Bitwise too.
+        ``"graph"``: a ``jax.shard_map`` over the devices inside the caller's XLA
+        program, no host callback, data sharded once with a ``NamedSharding``. The
+        caller's program then spans every device, and XLA compiles such programs
+        with an extra common-subexpression pass that may round the caller's own
+        arithmetic (and ``fn``'s gradient) differently in the last bit: values and
+        gradients agree with ``SerialExecutor``'s to about 1e-15, draws of a long
+        run may drift apart. Starting Python with
+        ``XLA_FLAGS=--xla_disable_hlo_passes=cse`` removes the difference (for every
+        program of the process).
     count_calls : bool
-        Count evaluations for :meth:`stats` (a tiny host callback per evaluation).
+        Count evaluations that stay in the graph for :meth:`stats` (a tiny host
+        callback per evaluation).
 
     Warns
     -----
@@ -148,22 +170,28 @@ class DeviceExecutor(Executor):
 
     Notes
     -----
-    JAX embeds the data that a traced function closes over into the compiled
-    program; each device then holds its own rows as part of the executable. With
-    ``JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1`` in the environment, JAX instead passes
-    the placed, sharded arrays to the program as buffers, which compiles faster
-    for large data. Results are the same either way.
+    Inside ``jax.pmap`` (NumPyro's ``chain_method="parallel"``, one chain per
+    device) or a user's mesh each chain already owns a device: the block loop runs
+    in place there, with any ``dispatch``. Under ``jax.vmap`` (NumPyro's
+    ``chain_method="vectorized"``) the whole batch runs on every device, in one
+    callback.
+
+    With ``dispatch="graph"``, JAX embeds the data that a traced function closes
+    over into the compiled program; each device then holds its own rows as part of
+    the executable. With ``JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1`` in the
+    environment, JAX instead passes the placed, sharded arrays to the program as
+    buffers, which compiles faster for large data. Results are the same either way.
 
     Examples
     --------
     >>> import warnings, jax, jax.numpy as jnp, parallel_backend as pb
     >>> with warnings.catch_warnings():
     ...     warnings.simplefilter("ignore")  # one CPU device here: it warns
-    ...     ex = pb.DeviceExecutor()
+    ...     ex = pb.DeviceExecutor(dispatch="host")
     >>> with ex:
     ...     f = lambda m: pb.reduce_sum(lambda x, m: -(x - m) ** 2, jnp.arange(4.0), m, executor=ex)
     ...     v, g = jax.value_and_grad(f)(1.0)
-    ...     ex.stats()["calls"]
+    ...     ex.stats()["host_calls"]
     1
     >>> float(v), float(g)
     (-6.0, 4.0)
@@ -171,15 +199,18 @@ class DeviceExecutor(Executor):
 
     name = "device"
 
-    def __init__(self, devices=None, *, count_calls: bool = True):
+    def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = True):
         devices = _check_devices(devices)
-        super().__init__(dispatch="graph", count_calls=count_calls)
+        super().__init__(dispatch=dispatch, count_calls=count_calls)
         self._devices = devices
         self._mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
         self._sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
         self._place_lock = threading.Lock()
-        self._placed: dict = {}  # site -> (layout, resident arrays on the devices)
+        self._placed: dict = {}  # site -> (layout, resident arrays on the devices): graph
+        self._slots: dict = {}  # site -> [_Slot] per device: host
         self._params: dict = {}  # site -> (replicated, split) parameter bytes per call
+        self._pool = None
+        self._pool_lock = threading.Lock()
         if len(devices) == 1:
             warnings.warn(
                 f"DeviceExecutor: only one device ({devices[0]}), so the blocks run one after "
@@ -198,13 +229,89 @@ class DeviceExecutor(Executor):
         return len(self._devices)
 
     def choose_dispatch(self, site, grainsize, data_leaves, shared_leaves) -> str:
-        """Always ``"graph"``: the devices run inside the caller's program."""
-        return "graph"
+        """As :meth:`Executor.choose_dispatch`; ``"graph"`` (in place) inside ``pmap``."""
+        if _in_place():
+            return "graph"
+        choice = super().choose_dispatch(site, grainsize, data_leaves, shared_leaves)
+        if choice == "graph":
+            self._release_slots(site)  # measured, then not used: free the devices' copies
+        return choice
 
-    # -- the device map ------------------------------------------------------------
+    def _mapped(self, site) -> bool:
+        """Whether ``site``'s graph path is the ``shard_map`` over the devices."""
+        return self.dispatch == "graph" and site.dispatch == "graph"
+
+    # -- the host path: one-device programs, one per device ------------------------
+
+    def _host_slots(self, site) -> list:
+        """Each device's contiguous run of blocks and its rows on that device, placed once."""
+        with self._place_lock:
+            slots = self._slots.get(site)
+            if slots is None:
+                plan, n = site.plan, len(self._devices)
+                edges = [round(i * plan.n_blocks / n) for i in range(n + 1)]
+                slots = []
+                for dev, a, b in zip(self._devices, edges, edges[1:]):
+                    if b == a:
+                        continue
+                    chunk = Chunk(a, b - a)
+                    r0, r1 = chunk.rows(plan)
+                    with jax.enable_x64(site.x64):
+                        resident = tuple(None if r is None else jax.device_put(np.asarray(r)[r0:r1], dev)
+                                         for r in site.resident)
+                    slots.append(_Slot(dev, chunk, r0, r1, resident))
+                self._slots[site] = slots
+        return slots
+
+    def _release_slots(self, site) -> None:
+        with self._place_lock:
+            slots = self._slots.pop(site, ())
+        for slot in slots:
+            for arr in slot.resident:
+                if arr is not None:
+                    arr.delete()
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(self._devices),
+                                                thread_name_prefix="parallel_backend_device")
+            return self._pool
+
+    def map_chunks(self, site, chunks, args):
+        """Every device runs the chunks of its own blocks, on its own rows, in order."""
+        traced, shared, diff_traced, diff_shared, in_axes = args
+        slots = self._host_slots(site)
+        per = max((c.count for c in chunks), default=site.plan.n_blocks)
+        row_axes = [1 if a == 0 else 0 for a in
+                    (in_axes[0] if in_axes is not None else (None,) * len(traced))]
+
+        def run(slot):
+            rows = tuple(np.asarray(t)[(slice(None),) * ax + (slice(slot.r0, slot.r1),)]
+                         for t, ax in zip(traced, row_axes))
+            with jax.enable_x64(site.x64):  # numpy in, committed to this device
+                tr, sh = jax.device_put((rows, tuple(np.asarray(x) for x in shared)), slot.device)
+            c = slot.chunk
+            return [site.run_chunk(Chunk(c.first + j, min(per, c.count - j)), tr, sh, diff_traced,
+                                   diff_shared, in_axes, resident=slot.resident, row_offset=slot.r0)
+                    for j in range(0, c.count, per)]
+
+        if len(slots) == 1:
+            return run(slots[0])
+        futures = [self._get_pool().submit(run, slot) for slot in slots]
+        return [r for f in futures for r in f.result()]
+
+    def _bytes_per_call(self, traced, shared, n_tasks: int) -> int:
+        # Shared parameters go to every busy device once; per-row parameters are split.
+        busy = min(n_tasks, len(self._devices))
+        return (sum(np.asarray(s).nbytes for s in shared) * busy
+                + sum(np.asarray(t).nbytes for t in traced))
+
+    # -- the graph path: a shard_map inside the caller's program --------------------
 
     def layout(self, site) -> DeviceLayout:
-        """The device layout of ``site``'s blocks."""
+        """The ``dispatch="graph"`` device layout of ``site``'s blocks."""
         return device_layout(site.plan, len(self._devices))
 
     def _place(self, site):
@@ -224,21 +331,23 @@ class DeviceExecutor(Executor):
         return placed
 
     def graph_partials(self, site, traced, shared, diff_traced, diff_shared):
-        """Per-block partials of all blocks, each device evaluating its own blocks.
+        """Per-block partials of all blocks, inside the caller's program.
 
-        Returns what ``Site.graph_partials`` returns (values per block, shared
-        gradients per block, data gradients per row), bitwise.
+        With ``dispatch="graph"`` each device evaluates its own blocks in a
+        ``shard_map``; otherwise (and inside ``pmap``) the block loop runs in place,
+        as ``SerialExecutor`` runs it. Returns what ``Site.graph_partials`` returns
+        (values per block, shared gradients per block, data gradients per row).
         """
         self._check_open()
         traced, shared = tuple(traced), tuple(shared)
         # Inside pmap (NumPyro's chain_method="parallel") or a user's mesh, this chain
         # already owns its device: the block loop runs in place there.
-        in_place = not jax.sharding.get_abstract_mesh().empty
+        mapped = self._mapped(site) and not _in_place()
         with self._place_lock:
             self._params[site] = _Params(sum(_nbytes(s) for s in shared),
                                          sum(_nbytes(t) for t in traced),
-                                         1 if in_place else self.layout(site).active)
-        if in_place:
+                                         self.layout(site).active if mapped else 1)
+        if not mapped:
             return site.graph_partials(traced, shared, diff_traced, diff_shared)
         layout, resident = self._place(site)
         traced_rows = tuple(spread_rows(t, layout, jnp) for t in traced)
@@ -256,10 +365,11 @@ class DeviceExecutor(Executor):
     # -- bookkeeping -----------------------------------------------------------------
 
     def count_graph_call(self, site, batch: int = 1) -> None:
-        """One evaluation: a block run per busy device; parameters replicated to each."""
-        info = self._params.get(site) or _Params(0, 0, self.layout(site).active)
+        """One evaluation in the graph: a block run per busy device (one in place)."""
+        info = self._params.get(site) or _Params(0, 0, 1)
         self._count(graph_calls=1, calls=1, chunks=info.devices, rows=site.plan.n_rows * batch,
-                    bytes_sent=(info.replicated * info.devices + info.split) * batch)
+                    bytes_sent=(info.replicated * info.devices + info.split) * batch
+                    if info.devices > 1 else 0)
 
     def stats(self) -> dict:
         """What this executor did since it was made.
@@ -267,39 +377,72 @@ class DeviceExecutor(Executor):
         Returns
         -------
         dict
-            As :meth:`Executor.stats <parallel_backend.Executor.stats>`, where
-            ``chunks`` counts block runs (one per busy device per evaluation),
-            ``bytes_sent`` the parameter bytes handed to the devices (shared
-            parameters once per device, per-row parameters once), and each site's
-            ``chunk_rows`` is the rows a device holds; plus ``devices``, the
-            devices as strings. ``seconds_in_workers`` stays 0: the devices run
-            inside the caller's program, where nothing times them.
+            As :meth:`Executor.stats <parallel_backend.Executor.stats>`, plus
+            ``devices``, the devices as strings, and per call site ``devices``, the
+            devices that evaluate its blocks (1 where the block loop runs in place).
+            ``chunks`` counts block runs: with ``dispatch="host"`` the chunks the
+            devices ran, with the ``shard_map`` one per busy device per evaluation.
+            ``bytes_sent`` counts the parameters handed to the devices: shared
+            parameters once per busy device, per-row parameters once. With the
+            ``shard_map`` a site's ``chunk_rows`` is the rows a device holds, and
+            ``seconds_in_workers`` does not grow: the devices run inside the
+            caller's program, where nothing times them.
         """
         out = super().stats()
         with self._lock:
             sites = list(self._sites.values())
         for entry, site in zip(out["sites"], sites):
-            lay = self.layout(site)
-            entry["chunk_rows"] = [min(lay.local_rows, site.plan.n_rows)]
-            entry["devices"] = lay.active
+            if self._mapped(site):
+                lay = self.layout(site)
+                entry["chunk_rows"] = [min(lay.local_rows, site.plan.n_rows)]
+                entry["devices"] = lay.active
+            elif site.dispatch == "host":
+                slots = self._slots.get(site, ())
+                entry["devices"] = len(slots)
+                if slots:  # a chunk never spans two devices' rows
+                    most = max(slot.r1 - slot.r0 for slot in slots)
+                    entry["chunk_rows"] = [min(r, most) for r in entry["chunk_rows"]]
+            else:
+                entry["devices"] = 1
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
         out["devices"] = [str(d) for d in self._devices]
         return out
 
     def _shutdown(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         with self._place_lock:
             placed, self._placed = self._placed, {}
+            slots, self._slots = self._slots, {}
             self._params.clear()
-        for _, resident in placed.values():
-            for arr in resident:
-                if arr is not None:
-                    arr.delete()
+        arrays = [a for _, resident in placed.values() for a in resident]
+        arrays += [a for site_slots in slots.values() for slot in site_slots for a in slot.resident]
+        for arr in arrays:
+            if arr is not None:
+                arr.delete()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"calls={self._counts['calls']}"
         platform = self._devices[0].platform
         return (f"DeviceExecutor(devices={len(self._devices)}, platform={platform!r}, "
-                f"ids={[d.id for d in self._devices]}, {state})")
+                f"ids={[d.id for d in self._devices]}, dispatch={self.dispatch!r}, {state})")
+
+
+class _Slot(NamedTuple):
+    """``dispatch="host"``: one device's contiguous run of blocks and its rows there."""
+
+    device: object
+    chunk: Chunk
+    r0: int
+    r1: int
+    resident: tuple  # the data leaves' rows [r0, r1) on ``device`` (None where traced)
+
+
+def _in_place() -> bool:
+    """Inside ``pmap`` or a user's mesh: the caller's chain already owns its device."""
+    return not jax.sharding.get_abstract_mesh().empty
 
 
 class _Params(NamedTuple):

@@ -72,7 +72,8 @@ class ProfileRow(NamedTuple):
     efficiency : float or None
         Parallel efficiency: seconds of the one-worker thread executor (host
         dispatch) divided by ``workers * seconds`` for executors whose chunks ran on
-        workers; for a device map, ``SerialExecutor``'s seconds divided by
+        workers; for a ``shard_map`` (``DeviceExecutor(dispatch="graph")``),
+        ``SerialExecutor``'s seconds divided by
         ``workers * seconds``; ``None`` where it does not apply.
     overhead : float or None
         Share of the workers' time not spent evaluating chunks (task dispatch,
@@ -241,7 +242,9 @@ def _local_executors():
         except (ImportError, AttributeError):  # the device plugin is not installed
             device_cls = None
         if device_cls is not None:
-            out.append((f"DeviceExecutor({len(jax.devices())} devices)", device_cls()))
+            n = len(jax.devices())
+            out.append((f"DeviceExecutor({n} devices, dispatch='host')", device_cls(dispatch="host")))
+            out.append((f"DeviceExecutor({n} devices)", device_cls()))
     return out
 
 
@@ -341,7 +344,8 @@ def profile(model, *model_args, executors=None, **model_kwargs):
         What to profile besides plain NumPyro. ``None``: every executor available
         here: ``SerialExecutor()``, ``ThreadExecutor(w, dispatch="host")`` for
         ``w`` = 1, 2, 4, ... up to all cores, ``ThreadExecutor()`` (automatic
-        dispatch), and ``DeviceExecutor()`` when JAX sees several devices. A list
+        dispatch), and ``DeviceExecutor(dispatch="host")`` and ``DeviceExecutor()``
+        when JAX sees several devices. A list
         may hold executors (kept open), executor names, ``distributed.Client``
         objects (profiled as ``DaskExecutor(client=...)``) and ``"local"`` (the
         defaults above); a dict maps labels to such entries. Executors made here
@@ -452,8 +456,9 @@ def _profile(model, model_args, model_kwargs, targets, scratch):
         efficiency = None
         if one_worker is not None and host_calls > 0:
             efficiency = one_worker / (ex.workers * seconds[i])
-        elif serial is not None and ex.workers > 1 and dispatch == "graph" and ex.name != "thread":
-            # A device map splits the in-graph loop: its one-worker case is SerialExecutor.
+        elif (serial is not None and ex.workers > 1 and dispatch == "graph"
+              and ex.name != "thread" and ex.dispatch == "graph"):
+            # A shard_map splits the in-graph loop: its one-worker case is SerialExecutor.
             efficiency = serial / (ex.workers * seconds[i])
         identical = None if reference is None else _identical(outputs[i], reference)
         rows.append(ProfileRow(label, ex.name, ex.workers, dispatch, seconds[i],

@@ -51,7 +51,8 @@ def expected_labels():
     if cores() > 1:
         labels.append(f"ThreadExecutor({cores()})")
     if len(jax.devices()) > 1:
-        labels.append(f"DeviceExecutor({len(jax.devices())} devices)")
+        n = len(jax.devices())
+        labels += [f"DeviceExecutor({n} devices, dispatch='host')", f"DeviceExecutor({n} devices)"]
     return labels
 
 
@@ -200,10 +201,13 @@ def test_device_map_is_profiled_when_several_devices_exist(tmp_path):
         assert len(jax.devices()) == 2
         y = jnp.asarray(np.random.default_rng(0).normal(size=5000), jnp.float32)
         report = pb.profile(model, y)
-        row = report.rows[-1]
-        assert row.executor == "DeviceExecutor(2 devices)", report
-        assert row.kind == "device" and row.workers == 2 and row.identical is True, row
-        assert row.efficiency is not None and row.efficiency > 0, row
+        host, auto = report.rows[-2:]
+        assert host.executor == "DeviceExecutor(2 devices, dispatch='host')", report
+        assert auto.executor == "DeviceExecutor(2 devices)", report
+        for row in (host, auto):
+            assert row.kind == "device" and row.workers == 2 and row.identical is True, row
+        assert host.dispatch == "host" and host.efficiency > 0 and host.overhead is not None, host
+        assert auto.dispatch == "graph", auto  # 5,000 rows: small work stays in the graph
         print("ok")
     """))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
