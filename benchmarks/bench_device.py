@@ -1,12 +1,18 @@
 """Time one value-and-gradient evaluation: plain NumPyro against ``DeviceExecutor``.
 
 Plain is ``jit(value_and_grad)`` of ``fn(data, *params).sum()`` on the default
-device; ``serial`` is ``SerialExecutor()`` (the same block loop on one device) and
-``device`` is ``DeviceExecutor()`` over every device of the process. On a CPU the
-devices are forced host devices, so the flag must be set before JAX starts; this
-script sets it from ``--cpu-devices`` when it is not already in ``XLA_FLAGS``.
-Variants are timed in interleaved rounds and reported as medians and as ratios to
-plain (> 1: faster than plain).
+device; ``serial`` is ``SerialExecutor()`` (the same block loop on one device).
+Over every device of the process: ``device`` is ``DeviceExecutor()`` (``"auto"``:
+measures, once, the in-place loop against the host device map), ``device_host``
+is ``dispatch="host"`` (one callback, a one-device program per device) and
+``device_graph`` is ``dispatch="graph"`` (the ``shard_map``, no callback).
+``plain_nocse`` and ``device_graph_nocse`` are plain and graph compiled with XLA's
+common-subexpression pass off (``compiler_options``, for this jit only): what
+``XLA_FLAGS=--xla_disable_hlo_passes=cse``, which makes graph mode bitwise, costs.
+On a CPU the devices are forced host devices, so the flag must be set before JAX
+starts; this script sets it from ``--cpu-devices`` when it is not already in
+``XLA_FLAGS``. Variants are timed in interleaved rounds and reported as medians
+and as ratios to plain (> 1: faster than plain).
 
     python benchmarks/bench_device.py --cpu-devices 2 --dtype float64
     python benchmarks/bench_device.py --likelihoods hmm_50k,hmm_500k --dtype float32  # on a GPU
@@ -60,12 +66,19 @@ def main(argv=None):
         fn, data, params = make(n, dtype)
         data = jax.device_put(data, devices[0])
         argnums = tuple(range(len(params)))
-        variants = {"plain": jax.jit(jax.value_and_grad(
-            lambda *p: fn(data, *p).sum(), argnums=argnums))}
-        executors = {"serial": pb.SerialExecutor(), "device": pb.DeviceExecutor()}
+        no_cse = {"xla_disable_hlo_passes": "cse"}
+        plain = jax.value_and_grad(lambda *p: fn(data, *p).sum(), argnums=argnums)
+        variants = {"plain": jax.jit(plain),
+                    "plain_nocse": jax.jit(plain, compiler_options=no_cse)}
+        executors = {"serial": pb.SerialExecutor(), "device": pb.DeviceExecutor(),
+                     "device_host": pb.DeviceExecutor(dispatch="host"),
+                     "device_graph": pb.DeviceExecutor(dispatch="graph")}
         for key, ex in executors.items():
             variants[key] = jax.jit(jax.value_and_grad(
                 lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex), argnums=argnums))
+        variants["device_graph_nocse"] = jax.jit(jax.value_and_grad(
+            lambda *p, ex=executors["device_graph"]: pb.reduce_sum(fn, data, *p, executor=ex),
+            argnums=argnums), compiler_options=no_cse)
         med = interleaved_medians(variants, params, args.rounds, warmup=3)
         base = med["plain"]
         row = dict(likelihood=name, n=n, dtype=args.dtype, platform=platform, device_kind=kind,

@@ -23,7 +23,10 @@ from collections import defaultdict
 #: Legend labels of the variants that bench_gradients.py times.
 LABELS = {"serial": "SerialExecutor", "thread": "ThreadExecutor (auto)",
           "thread_host": "ThreadExecutor (host)", "dask": "DaskExecutor (auto)",
-          "dask_host": "DaskExecutor (host)", "device": "DeviceExecutor"}
+          "dask_host": "DaskExecutor (host)", "device": "DeviceExecutor (auto)",
+          "device_host": "DeviceExecutor (host)", "device_graph": "DeviceExecutor (shard_map)",
+          "device_graph_nocse": "DeviceExecutor (shard_map, XLA CSE off)",
+          "plain_nocse": "plain NumPyro (XLA CSE off)"}
 
 
 def load(paths):
