@@ -4,6 +4,12 @@ Same model, data and seed for every variant; 1 chain and 4 vectorized chains.
 Reports the median of ``--repeats`` runs and the ratio to plain (> 1: faster).
 
     python benchmarks/bench_nuts.py --dtype float32
+    python benchmarks/bench_nuts.py --variants plain,thread,device,device_host --cpu-devices 2
+
+``device`` is ``DeviceExecutor()`` and ``device_host`` ``DeviceExecutor(dispatch="host")``
+over every device of the process; with ``--cpu-devices N`` the script forces N host
+CPU devices (set before JAX starts), and every variant, plain included, runs in that
+process.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
     import parallel_backend as pb
 
     executor = {"plain": lambda: None, "serial": pb.SerialExecutor, "thread": pb.ThreadExecutor,
-                "thread_host": lambda: pb.ThreadExecutor(dispatch="host")}[variant]()
+                "thread_host": lambda: pb.ThreadExecutor(dispatch="host"),
+                "device": pb.DeviceExecutor,
+                "device_host": lambda: pb.DeviceExecutor(dispatch="host")}[variant]()
     model = make_model(name, n, dtype, executor)
     mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, num_chains=chains,
                 chain_method="vectorized", progress_bar=False)
@@ -75,8 +83,14 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-devices", type=int, default=None,
+                    help="force this many host CPU devices (for the device variants)")
     args = ap.parse_args(argv)
 
+    if args.cpu_devices:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count="
+                                   f"{args.cpu_devices}").strip()
     import jax
 
     if args.dtype == "float64":
@@ -103,7 +117,8 @@ def main(argv=None):
             if args.json:
                 with open(args.json, "a") as fh:
                     fh.write(json.dumps(dict(model=name, n=args.rows, dtype=args.dtype, chains=chains,
-                                             cores=cores, seconds=med, info=info)) + "\n")
+                                             cores=cores, devices=len(jax.devices()), seconds=med,
+                                             info=info)) + "\n")
 
 
 if __name__ == "__main__":
