@@ -31,10 +31,27 @@ class Chunk(NamedTuple):
         return plan.block_range(self.first)[0], plan.block_range(self.first + self.count - 1)[1]
 
 
-def split_blocks(n_blocks: int, blocks_per_chunk: int) -> list[Chunk]:
-    """Runs of ``blocks_per_chunk`` blocks covering ``n_blocks``; the last may be shorter."""
+def split_blocks(n_blocks: int, blocks_per_chunk: int, first: int = 0) -> list[Chunk]:
+    """Runs of ``blocks_per_chunk`` blocks covering blocks ``[first, first + n_blocks)``;
+    the last may be shorter."""
     k = max(1, int(blocks_per_chunk))
-    return [Chunk(b, min(k, n_blocks - b)) for b in range(0, n_blocks, k)]
+    return [Chunk(first + b, min(k, n_blocks - b)) for b in range(0, n_blocks, k)]
+
+
+def even_slots(n_blocks: int, parts: int) -> list[Chunk]:
+    """At most ``parts`` contiguous runs of blocks covering ``n_blocks``, none empty,
+    their lengths differing by at most one: each worker's (or device's) share.
+
+    Examples
+    --------
+    >>> even_slots(5, 2)
+    [Chunk(first=0, count=2), Chunk(first=2, count=3)]
+    >>> even_slots(2, 4)
+    [Chunk(first=0, count=1), Chunk(first=1, count=1)]
+    """
+    parts = max(1, min(parts, n_blocks))
+    edges = [round(i * n_blocks / parts) for i in range(parts + 1)]
+    return [Chunk(a, b - a) for a, b in zip(edges, edges[1:])]
 
 
 def blocks_for_grainsize(plan: BlockPlan, grainsize: int) -> int:

@@ -276,6 +276,17 @@ def _median_time(fn, repeats: int, warmup: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def row_slice(traced, in_axes, start: int, stop: int) -> tuple:
+    """Rows ``[start, stop)`` of the traced data leaves a host callback received.
+
+    Under ``vmap`` (``in_axes`` from :func:`_unbatch`) a batched leaf carries the
+    batch first and its rows on axis 1; an unbatched one has its rows on axis 0.
+    """
+    axes = in_axes[0] if in_axes is not None else (None,) * len(traced)
+    return tuple(np.asarray(t)[(slice(None),) * (1 if a == 0 else 0) + (slice(start, stop),)]
+                 for t, a in zip(traced, axes))
+
+
 def _unbatched_shape(x, axis) -> tuple:
     shape = tuple(np.shape(x))
     return shape[1:] if axis == 0 else shape

@@ -33,9 +33,9 @@ from distributed import Client, LocalCluster
 from distributed.comm.core import CommClosedError
 from distributed.core import send_recv
 
-from parallel_backend.chunking import Chunk
+from parallel_backend.chunking import even_slots, split_blocks
 from parallel_backend.errors import ChunkError
-from parallel_backend.executors.base import Executor
+from parallel_backend.executors.base import Executor, row_slice
 from . import worker as remote
 
 __all__ = ["DaskExecutor"]
@@ -70,9 +70,7 @@ class _Remote:
         self.leaves = tuple(None if r is None else np.asarray(r) for r in site.resident)
         self.data_token = _content_token(self.leaves, site.plan)
         n = site.plan.n_blocks
-        slots = max(1, min(slots, n))
-        edges = [round(i * n / slots) for i in range(slots + 1)]
-        self.slots = [Chunk(a, b - a) for a, b in zip(edges, edges[1:])]
+        self.slots = even_slots(n, slots)
         self.placement: list = [None] * len(self.slots)  # slot -> worker address
 
     def piece(self, slot: int):
@@ -239,8 +237,7 @@ class DaskExecutor(Executor):
         r = self._remote(site)
         per = max(c.count for c in chunks) if chunks else 1
         # Chunks never straddle slots: each slot's data lives on one worker.
-        tasks = [(i, Chunk(s.first + j, min(per, s.count - j)))
-                 for i, s in enumerate(r.slots) for j in range(0, s.count, per)]
+        tasks = [(i, c) for i, s in enumerate(r.slots) for c in split_blocks(s.count, per, s.first)]
         results = self._client.sync(self._run, r, tasks, args)
         return [results[t] for t in tasks]
 
@@ -249,8 +246,6 @@ class DaskExecutor(Executor):
 
     async def _run(self, r: _Remote, tasks, args) -> dict:
         traced, shared, diff_traced, diff_shared, in_axes = args
-        row_axes = [1 if a == 0 else 0 for a in
-                    (in_axes[0] if in_axes is not None else (None,) * len(traced))]
         done: dict = {}
         pending = list(tasks)
         # The workers last seen; the scheduler is asked again only after a failure
@@ -261,7 +256,7 @@ class DaskExecutor(Executor):
                 alive = await self._await_workers()
             groups = self._assign(r, pending, alive)
             outcomes = await asyncio.gather(
-                *[self._call(addr, r, group, traced, row_axes, shared, diff_traced, diff_shared,
+                *[self._call(addr, r, group, traced, shared, diff_traced, diff_shared,
                              in_axes) for addr, group in groups.items()],
                 return_exceptions=True)
             lost = False
@@ -307,14 +302,12 @@ class DaskExecutor(Executor):
                 if a == addr:
                     placement[i] = None
 
-    async def _call(self, addr, r: _Remote, group, traced, row_axes, shared, diff_traced,
-                    diff_shared, in_axes):
+    async def _call(self, addr, r: _Remote, group, traced, shared, diff_traced, diff_shared,
+                    in_axes):
         payload = []
         for slot, chunk in group:
             r0, r1 = chunk.rows(r.site.plan)
-            rows = tuple(np.asarray(t)[(slice(None),) * ax + (slice(r0, r1),)]
-                         for t, ax in zip(traced, row_axes))
-            payload.append((slot, chunk, rows))
+            payload.append((slot, chunk, row_slice(traced, in_axes, r0, r1)))
         # numpy, not jax arrays: a jax array would be rebuilt under the worker's default
         # precision (float32 unless x64 is on there).
         shared = tuple(np.asarray(s) for s in shared)

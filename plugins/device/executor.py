@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -43,8 +42,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallel_backend import Executor
-from parallel_backend.chunking import Chunk
+from parallel_backend import Executor, ThreadExecutor
+from parallel_backend.chunking import Chunk, even_slots, split_blocks
+from parallel_backend.executors.base import row_slice
 
 __all__ = ["DeviceExecutor", "DeviceLayout", "device_layout"]
 
@@ -209,8 +209,7 @@ class DeviceExecutor(Executor):
         self._placed: dict = {}  # site -> (layout, resident arrays on the devices): graph
         self._slots: dict = {}  # site -> [_Slot] per device: host
         self._params: dict = {}  # site -> (replicated, split) parameter bytes per call
-        self._pool = None
-        self._pool_lock = threading.Lock()
+        self._threads = ThreadExecutor(len(devices))  # starts the devices' chunks
         if len(devices) == 1:
             warnings.warn(
                 f"DeviceExecutor: only one device ({devices[0]}), so the blocks run one after "
@@ -248,14 +247,9 @@ class DeviceExecutor(Executor):
         with self._place_lock:
             slots = self._slots.get(site)
             if slots is None:
-                plan, n = site.plan, len(self._devices)
-                edges = [round(i * plan.n_blocks / n) for i in range(n + 1)]
                 slots = []
-                for dev, a, b in zip(self._devices, edges, edges[1:]):
-                    if b == a:
-                        continue
-                    chunk = Chunk(a, b - a)
-                    r0, r1 = chunk.rows(plan)
+                for dev, chunk in zip(self._devices, even_slots(site.plan.n_blocks, len(self._devices))):
+                    r0, r1 = chunk.rows(site.plan)
                     with jax.enable_x64(site.x64):
                         resident = tuple(None if r is None else jax.device_put(np.asarray(r)[r0:r1], dev)
                                          for r in site.resident)
@@ -271,36 +265,22 @@ class DeviceExecutor(Executor):
                 if arr is not None:
                     arr.delete()
 
-    def _get_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(len(self._devices),
-                                                thread_name_prefix="parallel_backend_device")
-            return self._pool
-
     def map_chunks(self, site, chunks, args):
         """Every device runs the chunks of its own blocks, on its own rows, in order."""
         traced, shared, diff_traced, diff_shared, in_axes = args
         slots = self._host_slots(site)
         per = max((c.count for c in chunks), default=site.plan.n_blocks)
-        row_axes = [1 if a == 0 else 0 for a in
-                    (in_axes[0] if in_axes is not None else (None,) * len(traced))]
 
         def run(slot):
-            rows = tuple(np.asarray(t)[(slice(None),) * ax + (slice(slot.r0, slot.r1),)]
-                         for t, ax in zip(traced, row_axes))
+            rows = row_slice(traced, in_axes, slot.r0, slot.r1)
             with jax.enable_x64(site.x64):  # numpy in, committed to this device
                 tr, sh = jax.device_put((rows, tuple(np.asarray(x) for x in shared)), slot.device)
-            c = slot.chunk
-            return [site.run_chunk(Chunk(c.first + j, min(per, c.count - j)), tr, sh, diff_traced,
-                                   diff_shared, in_axes, resident=slot.resident, row_offset=slot.r0)
-                    for j in range(0, c.count, per)]
+            return [site.run_chunk(c, tr, sh, diff_traced, diff_shared, in_axes,
+                                   resident=slot.resident, row_offset=slot.r0)
+                    for c in split_blocks(slot.chunk.count, per, slot.chunk.first)]
 
-        if len(slots) == 1:
-            return run(slots[0])
-        futures = [self._get_pool().submit(run, slot) for slot in slots]
-        return [r for f in futures for r in f.result()]
+        # One thread per device, each running its device's chunks in order.
+        return [r for results in self._threads.map(run, slots) for r in results]
 
     def _bytes_per_call(self, traced, shared, n_tasks: int) -> int:
         # Shared parameters go to every busy device once; per-row parameters are split.
@@ -409,10 +389,7 @@ class DeviceExecutor(Executor):
         return out
 
     def _shutdown(self) -> None:
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._threads.close()
         with self._place_lock:
             placed, self._placed = self._placed, {}
             slots, self._slots = self._slots, {}
@@ -434,7 +411,7 @@ class _Slot(NamedTuple):
     """``dispatch="host"``: one device's contiguous run of blocks and its rows there."""
 
     device: object
-    chunk: Chunk
+    chunk: Chunk  # the device's blocks
     r0: int
     r1: int
     resident: tuple  # the data leaves' rows [r0, r1) on ``device`` (None where traced)
