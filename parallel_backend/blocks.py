@@ -1,24 +1,32 @@
-"""Fixed-size row blocks and the order-fixed sums that make results reproducible.
+"""Fixed-size row blocks, the tiles they are evaluated in, and the order-fixed sum.
 
 This module owns the block plan (how the ``N`` rows of ``data`` are cut into
-blocks of ``block_rows``) and :func:`tree_sum`, the only reduction used to combine
-per-row and per-block partials. It imports only ``jax`` and ``numpy``.
+blocks of ``block_rows``), the tile plan (how consecutive blocks are grouped into
+the smallest unit any executor evaluates) and :func:`tree_sum`, the only
+reduction used to combine per-block partials. It imports only ``jax``, ``numpy``
+and the standard library.
 
-Why blocks: every executor evaluates each block with the same compiled loop body
-and returns one partial per block; the partials are then combined in block order
-by :func:`tree_sum`, whose additions are elementwise and in a fixed pairing. So the
-result cannot depend on how blocks were grouped into chunks, on which worker ran
-them, or on how many workers there were.
+Why blocks: every executor returns one partial per block, and the partials are
+combined in block order by :func:`tree_sum`, whose additions are elementwise and
+in a fixed pairing. Why tiles: a block's partials must be the same bits whichever
+run of blocks it was evaluated with. XLA compiles a batch of ``k`` blocks with
+shape-dependent choices (how a reduction is split over its threads), and these
+agree for every ``k`` only once a batch is wide enough: at least
+``MIN_TILE_ROWS`` rows and at least as many blocks as XLA has threads. A tile is
+that many blocks, and every evaluation covers whole tiles (see
+``docs/how_it_works.rst``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["BlockPlan", "plan_blocks", "row_bytes", "tree_sum"]
+__all__ = ["BlockPlan", "plan_blocks", "row_bytes", "tree_sum", "TilePlan", "plan_tiles",
+           "xla_threads", "cpu_count"]
 
 #: Bytes of data per block the default plan aims at: a block's working set then
 #: stays in cache, which measured faster than both small and very large blocks.
@@ -27,6 +35,11 @@ TARGET_BLOCK_BYTES = 256 * 1024
 MIN_BLOCKS = 16
 #: ...and blocks of at least this many rows.
 MIN_BLOCK_ROWS = 256
+#: A tile (the smallest batch of blocks evaluated together) has at least this many
+#: blocks and rows, and at least one block per XLA thread: measured, narrower batches
+#: of blocks were rounded differently from wide ones (see the module docstring).
+MIN_TILE_BLOCKS = 4
+MIN_TILE_ROWS = 8192
 
 
 class BlockPlan(NamedTuple):
@@ -150,3 +163,82 @@ def tree_sum(x, axis: int = 0):
         x = jnp.concatenate([head, x[2 * half :]]) if n % 2 else head
         n = x.shape[0]
     return x[0]
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def xla_threads() -> int:
+    """Threads of XLA's CPU thread pool in this process: ``NPROC`` (or
+    ``PJRT_NPROC``) where set, else the cores this process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return cpu_count()
+
+
+class TilePlan(NamedTuple):
+    """How the blocks of a plan are grouped into tiles, the unit of evaluation.
+
+    Tile ``i < n_tiles - 1`` holds blocks ``[i * tile_blocks, (i + 1) * tile_blocks)``;
+    the last tile holds the rest (between ``tile_blocks`` and ``2 * tile_blocks - 1``
+    blocks, or every block when there are fewer than ``tile_blocks``).
+
+    Attributes
+    ----------
+    n_blocks : int
+        Blocks in the plan (the tail block counts as one).
+    tile_blocks : int
+        Blocks per tile.
+    """
+
+    n_blocks: int
+    tile_blocks: int
+
+    @property
+    def n_tiles(self) -> int:
+        """Number of tiles (at least one when there are blocks)."""
+        return max(1, self.n_blocks // self.tile_blocks) if self.n_blocks else 0
+
+    def tile_range(self, tile: int) -> tuple[int, int]:
+        """Blocks ``[first, stop)`` of tile number ``tile``."""
+        first = tile * self.tile_blocks
+        stop = self.n_blocks if tile == self.n_tiles - 1 else first + self.tile_blocks
+        return first, stop
+
+    def tile_sizes(self) -> tuple[int, ...]:
+        """The distinct numbers of blocks per tile (one or two)."""
+        return tuple(sorted({b - a for a, b in map(self.tile_range, range(self.n_tiles))}))
+
+
+def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None) -> TilePlan:
+    """Group the blocks of ``plan`` into tiles.
+
+    A batched evaluation (many blocks in one ``vmap``) needs tiles of at least
+    ``MIN_TILE_BLOCKS`` blocks, ``MIN_TILE_ROWS`` rows and one block per XLA thread;
+    a looped one (one block per loop iteration, the same loop body everywhere) is
+    bitwise the same for any run of blocks, so its tiles are single blocks.
+
+    Examples
+    --------
+    >>> plan = plan_blocks(200_000, row_bytes=20)
+    >>> plan.block_rows, plan.n_blocks
+    (8192, 25)
+    >>> tiles = plan_tiles(plan, threads=2)
+    >>> tiles.tile_blocks, tiles.n_tiles, tiles.tile_range(5)
+    (4, 6, (20, 25))
+    >>> plan_tiles(plan, batched=False).tile_blocks
+    1
+    """
+    if not batched:
+        return TilePlan(plan.n_blocks, 1)
+    threads = xla_threads() if threads is None else max(1, int(threads))
+    wide = -(-MIN_TILE_ROWS // max(plan.block_rows, 1))
+    tile = max(MIN_TILE_BLOCKS, threads, wide)
+    return TilePlan(plan.n_blocks, max(1, min(tile, plan.n_blocks)))

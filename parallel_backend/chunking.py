@@ -1,12 +1,14 @@
-"""Chunk plans: which runs of consecutive blocks each task evaluates.
+"""Chunk plans: which runs of consecutive tiles each task evaluates.
 
-This module owns :class:`ChunkPlan`, :func:`fixed_chunks` (a user's ``grainsize``)
-and :class:`AdaptiveChunker` (``grainsize=None``). It imports only the standard
-library and :mod:`parallel_backend.blocks`.
+This module owns :class:`Chunk`, :func:`fixed_chunks` (a user's ``grainsize``),
+:func:`even_slots` (each worker's share) and :class:`AdaptiveChunker`
+(``grainsize=None``). A chunk is a run of whole tiles (see
+:class:`~parallel_backend.blocks.TilePlan`); without a tile plan every block is a
+tile. It imports only the standard library and :mod:`parallel_backend.blocks`.
 
-Chunking never changes a result: every block is evaluated by the same compiled
-body and partials are combined in block order elsewhere. It changes only speed,
-so the chunker is free to adapt while a sampler runs.
+Chunking never changes a result: a block's partials are the same bits in every
+run of whole tiles, and partials are combined in block order elsewhere. It
+changes only speed, so the chunker is free to adapt while a sampler runs.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import math
 import threading
 from typing import NamedTuple
 
-from .blocks import BlockPlan
+from .blocks import BlockPlan, TilePlan
 
-__all__ = ["Chunk", "fixed_chunks", "AdaptiveChunker"]
+__all__ = ["Chunk", "fixed_chunks", "split_blocks", "split_tiles", "chunks_within",
+           "even_slots", "AdaptiveChunker"]
 
 
 class Chunk(NamedTuple):
@@ -33,14 +36,51 @@ class Chunk(NamedTuple):
 
 def split_blocks(n_blocks: int, blocks_per_chunk: int, first: int = 0) -> list[Chunk]:
     """Runs of ``blocks_per_chunk`` blocks covering blocks ``[first, first + n_blocks)``;
-    the last may be shorter."""
+    the last may be shorter (single-block tiles; see :func:`split_tiles`)."""
     k = max(1, int(blocks_per_chunk))
     return [Chunk(first + b, min(k, n_blocks - b)) for b in range(0, n_blocks, k)]
 
 
-def even_slots(n_blocks: int, parts: int) -> list[Chunk]:
-    """At most ``parts`` contiguous runs of blocks covering ``n_blocks``, none empty,
-    their lengths differing by at most one: each worker's (or device's) share.
+def split_tiles(tiles: TilePlan, tiles_per_chunk: int, first_tile: int = 0,
+                n_tiles: int | None = None) -> list[Chunk]:
+    """Runs of ``tiles_per_chunk`` whole tiles covering tiles ``[first_tile,
+    first_tile + n_tiles)`` (default: to the last tile), as chunks of blocks.
+
+    Examples
+    --------
+    >>> split_tiles(TilePlan(n_blocks=10, tile_blocks=4), 1)
+    [Chunk(first=0, count=4), Chunk(first=4, count=6)]
+    """
+    last = tiles.n_tiles if n_tiles is None else first_tile + n_tiles
+    k = max(1, int(tiles_per_chunk))
+    out = []
+    for t in range(first_tile, last, k):
+        a = tiles.tile_range(t)[0]
+        b = tiles.tile_range(min(t + k, last) - 1)[1]
+        out.append(Chunk(a, b - a))
+    return out
+
+
+def chunks_within(tiles: TilePlan, share: Chunk, tiles_per_chunk: int) -> list[Chunk]:
+    """Runs of ``tiles_per_chunk`` whole tiles covering ``share`` (itself a run of whole
+    tiles, such as a worker's share from :func:`even_slots`).
+
+    Examples
+    --------
+    >>> tiles = TilePlan(n_blocks=20, tile_blocks=4)
+    >>> chunks_within(tiles, Chunk(8, 12), 2)
+    [Chunk(first=8, count=8), Chunk(first=16, count=4)]
+    """
+    last = tiles.n_tiles - 1
+    t0 = min(share.first // tiles.tile_blocks, last)
+    t1 = min((share.first + share.count - 1) // tiles.tile_blocks, last)
+    return split_tiles(tiles, tiles_per_chunk, t0, t1 - t0 + 1)
+
+
+def even_slots(tiles, parts: int) -> list[Chunk]:
+    """At most ``parts`` contiguous runs of whole tiles covering every block, none
+    empty, their tile counts differing by at most one: each worker's (or device's)
+    share. ``tiles`` is a :class:`TilePlan`, or a number of single-block tiles.
 
     Examples
     --------
@@ -48,19 +88,20 @@ def even_slots(n_blocks: int, parts: int) -> list[Chunk]:
     [Chunk(first=0, count=2), Chunk(first=2, count=3)]
     >>> even_slots(2, 4)
     [Chunk(first=0, count=1), Chunk(first=1, count=1)]
+    >>> even_slots(TilePlan(n_blocks=10, tile_blocks=4), 2)
+    [Chunk(first=0, count=4), Chunk(first=4, count=6)]
     """
-    parts = max(1, min(parts, n_blocks))
-    edges = [round(i * n_blocks / parts) for i in range(parts + 1)]
-    return [Chunk(a, b - a) for a, b in zip(edges, edges[1:])]
+    if not isinstance(tiles, TilePlan):
+        tiles = TilePlan(int(tiles), 1)
+    n = tiles.n_tiles
+    parts = max(1, min(parts, n))
+    edges = [round(i * n / parts) for i in range(parts + 1)]
+    return [Chunk(tiles.tile_range(a)[0], tiles.tile_range(b - 1)[1] - tiles.tile_range(a)[0])
+            for a, b in zip(edges, edges[1:])]
 
 
-def blocks_for_grainsize(plan: BlockPlan, grainsize: int) -> int:
-    """Whole blocks per chunk closest to ``grainsize`` rows (at least one)."""
-    return max(1, round(grainsize / plan.block_rows))
-
-
-def fixed_chunks(plan: BlockPlan, grainsize: int) -> list[Chunk]:
-    """Chunks of ``grainsize`` rows, rounded to whole blocks.
+def fixed_chunks(plan: BlockPlan, grainsize: int, tiles: TilePlan | None = None) -> list[Chunk]:
+    """Chunks of about ``grainsize`` rows, rounded to whole tiles (at least one).
 
     Examples
     --------
@@ -68,7 +109,9 @@ def fixed_chunks(plan: BlockPlan, grainsize: int) -> list[Chunk]:
     >>> fixed_chunks(plan_blocks(5000, block_rows=1000), grainsize=2000)
     [Chunk(first=0, count=2), Chunk(first=2, count=2), Chunk(first=4, count=1)]
     """
-    return split_blocks(plan.n_blocks, blocks_for_grainsize(plan, grainsize))
+    tiles = tiles or TilePlan(plan.n_blocks, 1)
+    per = max(1, round(grainsize / (plan.block_rows * tiles.tile_blocks)))
+    return split_tiles(tiles, per)
 
 
 def _pow2_floor(x: float) -> int:
@@ -76,9 +119,9 @@ def _pow2_floor(x: float) -> int:
 
 
 class AdaptiveChunker:
-    """Picks blocks per chunk from measured costs, like TBB's auto-partitioner.
+    """Picks tiles per chunk from measured costs, like TBB's auto-partitioner.
 
-    It starts with a few chunks per worker, then, from the measured time per block
+    It starts with a few chunks per worker, then, from the measured time per tile
     and per-task overhead, chooses the largest power-of-two chunk that still gives
     each worker ``chunks_per_worker`` chunks, but never so small that task overhead
     exceeds ``max_overhead`` of the work. Powers of two keep the number of distinct
@@ -96,11 +139,15 @@ class AdaptiveChunker:
         Largest acceptable share of task overhead in a chunk's time.
     settle_after : int
         Measured calls after which the choice is frozen.
+    tiles : TilePlan, optional
+        The tiles chunks are made of; default: every block a tile.
     """
 
     def __init__(self, plan: BlockPlan, workers: int, *, chunks_per_worker: int = 2,
-                 max_overhead: float = 0.05, settle_after: int = 4):
+                 max_overhead: float = 0.05, settle_after: int = 4,
+                 tiles: TilePlan | None = None):
         self.plan = plan
+        self.tiles = tiles or TilePlan(plan.n_blocks, 1)
         self.workers = max(1, int(workers))
         self.chunks_per_worker = chunks_per_worker
         self.max_overhead = max_overhead
@@ -108,8 +155,8 @@ class AdaptiveChunker:
         self._lock = threading.Lock()
         self._block_seconds: list[float] = []
         self._overhead_seconds: list[float] = []
-        target = plan.n_blocks / (self.workers * chunks_per_worker)
-        self._blocks_per_chunk = _pow2_floor(target)
+        target = self.tiles.n_tiles / (self.workers * chunks_per_worker)
+        self._tiles_per_chunk = _pow2_floor(target)
 
     @property
     def settled(self) -> bool:
@@ -117,13 +164,18 @@ class AdaptiveChunker:
         return len(self._block_seconds) >= self.settle_after
 
     @property
-    def blocks_per_chunk(self) -> int:
+    def tiles_per_chunk(self) -> int:
         """The current choice."""
-        return self._blocks_per_chunk
+        return self._tiles_per_chunk
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """The current choice in blocks (the last chunk may hold a few more)."""
+        return self._tiles_per_chunk * self.tiles.tile_blocks
 
     def chunks(self) -> list[Chunk]:
         """The chunk plan for the next call."""
-        return split_blocks(self.plan.n_blocks, self._blocks_per_chunk)
+        return split_tiles(self.tiles, self._tiles_per_chunk)
 
     def record(self, blocks: int, compute_seconds: float, overhead_seconds: float) -> None:
         """Feed one measured chunk: its blocks, compute time and task overhead."""
@@ -134,19 +186,20 @@ class AdaptiveChunker:
                 return
             self._block_seconds.append(compute_seconds / blocks)
             self._overhead_seconds.append(max(overhead_seconds, 0.0))
-            self._blocks_per_chunk = self._choose()
+            self._tiles_per_chunk = self._choose()
 
     def _choose(self) -> int:
-        per_block = sorted(self._block_seconds)[len(self._block_seconds) // 2]
+        per_tile = sorted(self._block_seconds)[len(self._block_seconds) // 2] * self.tiles.tile_blocks
         overhead = sorted(self._overhead_seconds)[len(self._overhead_seconds) // 2]
-        balanced = self.plan.n_blocks / (self.workers * self.chunks_per_worker)
-        # Fewest blocks for which overhead stays a small share of a chunk's work.
-        needed = overhead / max(per_block * self.max_overhead, 1e-12)
+        n = self.tiles.n_tiles
+        balanced = n / (self.workers * self.chunks_per_worker)
+        # Fewest tiles for which overhead stays a small share of a chunk's work.
+        needed = overhead / max(per_tile * self.max_overhead, 1e-12)
         if needed > balanced:
             # Overhead dominates: fewer, larger chunks (one per worker at most).
-            balanced = max(needed, self.plan.n_blocks / self.workers)
-        return min(_pow2_floor(balanced), _pow2_floor(self.plan.n_blocks))
+            balanced = max(needed, n / self.workers)
+        return min(_pow2_floor(balanced), _pow2_floor(n))
 
     def __repr__(self) -> str:
-        return (f"AdaptiveChunker(blocks={self.plan.n_blocks}, workers={self.workers}, "
-                f"blocks_per_chunk={self._blocks_per_chunk}, settled={self.settled})")
+        return (f"AdaptiveChunker(tiles={self.tiles.n_tiles}, workers={self.workers}, "
+                f"tiles_per_chunk={self._tiles_per_chunk}, settled={self.settled})")

@@ -1,9 +1,10 @@
 """``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom VJP.
 
 This module owns the public primitive: validation at the boundary (before any
-tracing), the ``jax.custom_vjp`` that hands value and gradients to JAX autodiff,
-and the ``jax.pure_callback`` through which host executors evaluate chunks. It
-imports jax, numpy and the core modules; never NumPyro, dask or ArviZ.
+tracing), the call site's :class:`~parallel_backend.spec.SiteSpec`, the
+``jax.custom_vjp`` that hands value and gradients to JAX autodiff, and the
+``jax.pure_callback`` through which the host path (:mod:`.host`) runs. It imports
+jax, numpy and the core modules; never NumPyro, dask or ArviZ.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from .blocks import plan_blocks, row_bytes
+from . import host
+from .blocks import TilePlan, plan_blocks, plan_tiles, row_bytes
 from .executors.registry import resolve_executor
-from .site import Site, combine
+from .site import SiteState
+from .spec import SiteSpec, combine, detect_form
 
 __all__ = ["reduce_sum"]
 
@@ -104,38 +107,80 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
                                     rows, plan, paths)
 
     executor = resolve_executor(executor)
-    resident = [None if _is_traced(x) else x for x in leaves]
+    traced_mask = tuple(_is_traced(x) for x in leaves)
     x64 = bool(jax.config.jax_enable_x64)
+    resident = [x for x, t in zip(leaves, traced_mask) if not t]
     key = (_fn_key(fn), data_treedef, shared_treedef, plan, x64,
-           tuple((id(x), x.shape, str(x.dtype)) if x is not None else None for x in resident),
+           tuple((id(x), x.shape, str(x.dtype)) for x in resident),
            tuple((jnp.shape(x), str(jnp.result_type(x))) for x in leaves),
            tuple((jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves))
-    label = getattr(fn, "__name__", type(fn).__name__)
-    site = executor.site(key, lambda: Site(fn, data_treedef, shared_treedef, resident, plan,
-                                           value_dtype, x64, label=label))
-    if site.dispatch is None:
-        site.dispatch = executor.choose_dispatch(site, grainsize, leaves, shared_leaves)
+
+    def make():
+        spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
+                         value_dtype, x64)
+        return SiteState(spec, resident, executor.workers)
+
+    state = executor.site_state(key, make, resident)
+    if state.decision is None:
+        state.decision = executor.decide(state, grainsize, leaves, shared_leaves)
     traced = tuple(x for x in leaves if _is_traced(x))
-    return _reduce(site, executor, grainsize)(traced, tuple(shared_leaves))
+    return _reduce(state, executor, grainsize)(traced, tuple(shared_leaves))
+
+
+def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
+              label=None) -> SiteSpec:
+    """The :class:`SiteSpec` of a call: which leaves are traced, the tile plan and the
+    evaluation form (from a trace of ``fn`` on one block)."""
+    traced = tuple(_is_traced(x) for x in leaves)
+    row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
+    shared_avals = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in shared_leaves)
+    label = label or getattr(fn, "__name__", type(fn).__name__)
+    draft = SiteSpec(fn, data_treedef, shared_treedef, traced, row_avals, shared_avals, plan,
+                     TilePlan(plan.n_blocks, 1), "batched", str(np.dtype(value_dtype)),
+                     bool(x64), label)
+    resident, traced_s, shared_s = draft.block_struct()
+    block = draft.block_fn()
+    with jax.enable_x64(x64):
+        form = detect_form(jax.make_jaxpr(block)(resident, traced_s, shared_s))
+        if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
+            form = "looped"
+    return draft._replace(form=form, tiles=plan_tiles(plan, batched=form == "batched"))
+
+
+def _batchable(block, resident, traced, shared) -> bool:
+    """Whether ``fn`` can be ``vmap``-ed over blocks (a callback without a
+    ``vmap_method`` cannot); otherwise its blocks are looped over."""
+
+    def stack(structs):
+        return [jax.ShapeDtypeStruct((2,) + s.shape, s.dtype) for s in structs]
+
+    try:
+        jax.eval_shape(jax.vmap(block, in_axes=(0, 0, None)), stack(resident), stack(traced),
+                       shared)
+    except Exception:  # noqa: BLE001 - any failure to batch means: loop instead
+        return False
+    return True
 
 
 # -- the custom VJP ----------------------------------------------------------------
 
 
-def _reduce(site: Site, executor, grainsize):
+def _reduce(state, executor, grainsize):
     """The differentiable function of (traced data leaves, shared leaves)."""
+    on_host = state.decision == "host"
 
     def partials(traced, shared, diff_traced, diff_shared):
-        if site.dispatch == "graph":
-            return executor.graph_partials(site, traced, shared, diff_traced, diff_shared)
-        return _host_partials(site, executor, grainsize, traced, shared, diff_traced, diff_shared)
+        if on_host:
+            return _host_partials(state, executor, grainsize, traced, shared, diff_traced,
+                                  diff_shared)
+        return executor.graph_partials(state, traced, shared, diff_traced, diff_shared)
 
-    counting = site.dispatch == "graph" and executor.count_calls
+    counting = not on_host and executor.count_calls
 
     def counter(v):
-        # A zero from a host callback that counts the evaluation; adding it keeps the
-        # callback alive (not dead code) wherever the value or the gradient is used.
-        return _graph_counter(executor, site, v) if counting else None
+        # A zero that counts the evaluation; adding it keeps the counter alive (not dead
+        # code) wherever the value or the gradient is used.
+        return executor.graph_counter(state).zero(v) if counting else None
 
     @jax.custom_vjp
     def value(traced, shared):
@@ -176,36 +221,25 @@ def _spread(grads, mask):
     return tuple(next(it) if m else None for m in mask)
 
 
-def _host_partials(site, executor, grainsize, traced, shared, diff_traced, diff_shared):
-    p = site.plan
+def _host_partials(state, executor, grainsize, traced, shared, diff_traced, diff_shared):
+    p = state.spec.plan
     shapes = (
-        jax.ShapeDtypeStruct((p.n_blocks,), site.value_dtype),
+        jax.ShapeDtypeStruct((p.n_blocks,), np.dtype(state.spec.value_dtype)),
         tuple(jax.ShapeDtypeStruct((p.n_blocks,) + jnp.shape(s), jnp.result_type(s))
               for s, d in zip(shared, diff_shared) if d),
         tuple(jax.ShapeDtypeStruct((p.n_rows,) + jnp.shape(t)[1:], jnp.result_type(t))
               for t, d in zip(traced, diff_traced) if d),
     )
     orig_ndims = tuple(jnp.ndim(x) for x in (*traced, *shared))
-    callback = functools.partial(_host_callback, executor, site, grainsize, diff_traced,
+    callback = functools.partial(_host_callback, executor, state, grainsize, diff_traced,
                                  diff_shared, orig_ndims, len(traced))
     return jax.pure_callback(callback, shapes, *traced, *shared, vmap_method="expand_dims")
 
 
-def _host_callback(executor, site, grainsize, diff_traced, diff_shared, orig_ndims, n_traced,
+def _host_callback(executor, state, grainsize, diff_traced, diff_shared, orig_ndims, n_traced,
                    *args):
-    return executor.evaluate(site, grainsize, args[:n_traced], args[n_traced:], diff_traced,
-                             diff_shared, orig_ndims)
-
-
-def _graph_counter(executor, site, value):
-    """A zero that costs one tiny callback and counts one graph evaluation."""
-
-    def count(v):
-        executor.count_graph_call(site, batch=max(int(np.size(v)), 1))
-        return np.zeros(np.shape(v), site.value_dtype)
-
-    return jax.pure_callback(count, jax.ShapeDtypeStruct(jnp.shape(value), site.value_dtype),
-                             value, vmap_method="expand_dims")
+    return host.evaluate(executor, state, grainsize, args[:n_traced], args[n_traced:],
+                         diff_traced, diff_shared, orig_ndims)
 
 
 # -- validation --------------------------------------------------------------------

@@ -1,268 +1,262 @@
-"""One ``reduce_sum`` call site: its data, its compiled block loops, its host path.
+"""What one executor keeps about one call site: :class:`SiteState`.
 
-This module owns :class:`Site`: the user's ``fn``, the block plan, the data that
-was concrete at trace time (resident: kept, never copied per call), and the
-compiled chunk functions, cached per chunk shape. Both dispatch paths live here:
-
-* the graph path (:meth:`Site.graph_partials`): the block loop inside the caller's
-  XLA program, no callback;
-* the host path (:meth:`Site.host_partials`): the same block loop, compiled once
-  per chunk length, run on the executor's workers chunk by chunk.
-
-Both produce the same per-block partials, because both run one ``while`` loop
-whose body is the same block computation and whose trip count is a runtime value
-(so XLA neither unrolls nor inlines it differently for different chunk lengths).
-:func:`combine` then folds the partials in block order. Imports: jax, numpy and
-the core modules only.
+A :class:`~parallel_backend.spec.SiteSpec` is immutable and shared; the state is
+per executor: the data prepared for this site (once), the devices' copies of it,
+where evaluations run (``"graph"`` or ``"host"``, decided once), the adaptive
+chunker and the timings that decided. Executors hold their states in a
+:class:`SiteCache`, which forgets a state once the data it was made from is
+garbage collected, so a dropped dataset is freed. Imports jax, numpy and the core.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-import time
-from collections import Counter
-from typing import Any, NamedTuple
+import weakref
+from collections import OrderedDict
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
-from .blocks import BlockPlan, tree_sum
-from .chunking import Chunk
-from .errors import ChunkError
+from .chunking import AdaptiveChunker, Chunk
+from .spec import Program, SiteSpec, host_device
 
-__all__ = ["Site", "ChunkResult", "combine"]
+__all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly"]
 
-
-class ChunkResult(NamedTuple):
-    """What one task returns: partials of its blocks and how long it computed."""
-
-    chunk: Chunk
-    values: Any  # (*batch, blocks)
-    shared_grads: tuple  # each (*batch, blocks, *leaf_shape)
-    data_grads: tuple  # each (*batch, rows, *row_shape)
-    seconds: float
+#: Chunk views (device arrays of a run of blocks) kept per holder, least recently used
+#: out first, and at most this many times the bytes of the data held.
+MAX_VIEWS = 64
+MAX_VIEW_COPIES = 2
 
 
-def combine(values, shared_grads, data_grads):
-    """Fold per-block partials in block order: the one place partials meet."""
-    return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
+def run_eagerly(fn, *args):
+    """``fn(*args)`` on a thread of its own: called while the caller's function is
+    traced, where every jax operation on this thread would be staged into that trace."""
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=target, name="parallel_backend_eager")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
-class Site:
-    """A ``reduce_sum`` call site, reusable across traces of the same model.
+class Resident:
+    """Prepared blocks ``[first, first + n)`` a worker holds, as numpy arrays, with device
+    copies of runs of them made once (a tile's, or the whole run's) and kept.
 
     Parameters
     ----------
-    fn : callable
-        ``fn(data_chunk, *shared) -> (rows,)`` pointwise log-density.
-    data_treedef, shared_treedef : PyTreeDef
-    resident : tuple
-        Per data leaf: the concrete array, or ``None`` where the leaf is traced.
-    plan : BlockPlan
-    value_dtype : dtype
-        dtype of ``fn``'s output.
+    arrays : tuple of numpy arrays
+        Each ``(n, block_rows, ...)``.
+    first : int
+        The first block held.
     x64 : bool
-        The caller's ``jax_enable_x64``; chunks run with the same precision.
+        Precision to place them in (without x64, float64 data would become float32).
+    device : jax.Device, optional
+        Where the views live; default: the host CPU device.
     """
 
-    def __init__(self, fn, data_treedef, shared_treedef, resident, plan: BlockPlan,
-                 value_dtype, x64: bool, label: str = ""):
-        self.fn = fn
-        self.data_treedef = data_treedef
-        self.shared_treedef = shared_treedef
-        self.resident = tuple(resident)
-        self.plan = plan
-        self.value_dtype = np.dtype(value_dtype)
+    def __init__(self, arrays, first: int = 0, x64: bool = False, device=None):
+        self.arrays = tuple(arrays)
+        self.first = int(first)
+        self.n = int(self.arrays[0].shape[0]) if self.arrays else 0
         self.x64 = bool(x64)
-        self.label = label or getattr(fn, "__name__", "fn")
-        self.traced_index = tuple(i for i, r in enumerate(self.resident) if r is None)
-        self.traces = Counter()  # (rows per block, blocks per chunk) -> times traced
-        self.chunker = None  # set by the executor that owns this site
-        self.dispatch = None  # "graph" or "host", decided once per site
-        self.timing = None  # seconds per evaluation on each path, when measured
+        self.device = device if device is not None else host_device()
+        self._views: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
-        self._compiled: dict = {}
-        self._device_resident = None
 
-    # -- the block computation ---------------------------------------------------
+    def view(self, a: int, b: int) -> tuple:
+        """Device arrays of blocks ``[a, b)`` (absolute block numbers)."""
+        key = (a, b)
+        with self._lock:
+            view = self._views.get(key)
+            if view is not None:
+                self._views.move_to_end(key)
+                return view
+        lo, hi = a - self.first, b - self.first
+        with jax.enable_x64(self.x64):
+            view = tuple(jax.device_put(x[lo:hi], self.device) for x in self.arrays)
+        with self._lock:
+            self._views[key] = view
+            budget = MAX_VIEW_COPIES * max(self.nbytes, 1)
+            while len(self._views) > 1 and (len(self._views) > MAX_VIEWS
+                                            or self._view_bytes() > budget):
+                self._views.popitem(last=False)
+        return view
 
-    def _block_terms(self, resident_block, traced_block, shared):
-        """``fn`` on one block: the pointwise log-density, cast to the value dtype."""
-        leaves = list(resident_block)
-        for i, leaf in zip(self.traced_index, traced_block):
-            leaves[i] = leaf
-        data = jax.tree_util.tree_unflatten(self.data_treedef, leaves)
-        shared_args = jax.tree_util.tree_unflatten(self.shared_treedef, list(shared))
-        return self.fn(data, *shared_args).astype(self.value_dtype)
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.arrays)
 
-    def block_loop(self, rows: int, length: int, diff_traced: tuple, diff_shared: tuple):
-        """The loop over ``count`` blocks of ``rows`` rows, writing ``length`` slots.
+    def _view_bytes(self) -> int:
+        return sum(a.nbytes for view in self._views.values() for a in view)
 
-        Returns ``run(resident, traced, shared, row_start, count)`` giving per-block
-        values, per-block gradients of the differentiated shared leaves and per-row
-        gradients of the differentiated traced data leaves.
-        """
-        key = (rows, length)
+    def everything(self) -> tuple:
+        """Device arrays of every block held."""
+        return self.view(self.first, self.first + self.n)
 
-        def run(resident, traced, shared, row_start, count):
-            self.traces[key] += 1
-            values = jnp.zeros((length,), self.value_dtype)
-            g_shared = tuple(jnp.zeros((length,) + jnp.shape(s), jnp.result_type(s))
-                             for s, d in zip(shared, diff_shared) if d)
-            g_data = tuple(jnp.zeros((length * rows,) + jnp.shape(t)[1:], jnp.result_type(t))
-                           for t, d in zip(traced, diff_traced) if d)
+    def delete(self) -> None:
+        """Free the device copies now."""
+        with self._lock:
+            views, self._views = list(self._views.values()), OrderedDict()
+        for view in views:
+            for arr in view:
+                try:
+                    arr.delete()
+                except Exception:  # noqa: BLE001 - already freed or aliased
+                    pass
 
-            def body(i, carry):
-                values, g_shared, g_data = carry
-                start = row_start + i * rows
-                r_blk = [None if r is None else lax.dynamic_slice_in_dim(r, start, rows)
-                         for r in resident]
-                t_blk = [lax.dynamic_slice_in_dim(t, start, rows) for t in traced]
-                if not (any(diff_traced) or any(diff_shared)):
-                    v = jnp.sum(self._block_terms(r_blk, t_blk, shared))
-                    return values.at[i].set(v), g_shared, g_data
-                td = [t for t, d in zip(t_blk, diff_traced) if d]
-                sd = [s for s, d in zip(shared, diff_shared) if d]
 
-                def terms(td, sd):
-                    t_all, s_all = _merge(t_blk, td, diff_traced), _merge(shared, sd, diff_shared)
-                    return self._block_terms(r_blk, t_all, s_all)
+class SiteState:
+    """One executor's record of one call site.
 
-                # The gradient of a sum is the pullback of ones: no need to
-                # differentiate through the reduction itself.
-                pointwise, pullback = jax.vjp(terms, td, sd)
-                v = jnp.sum(pointwise)
-                gt, gs = pullback(jnp.ones_like(pointwise))
-                values = values.at[i].set(v)
-                g_shared = tuple(acc.at[i].set(g) for acc, g in zip(g_shared, gs))
-                g_data = tuple(lax.dynamic_update_slice_in_dim(acc, g, i * rows, 0)
-                               for acc, g in zip(g_data, gt))
-                return values, g_shared, g_data
+    Attributes
+    ----------
+    spec : SiteSpec
+    decision : {"graph", "host"} or None
+        Where this executor evaluates the site; decided once, when first traced.
+    chunker : AdaptiveChunker
+        Chunk sizes for ``grainsize=None`` on the host path.
+    timing : dict or None
+        What the decision measured (seconds per evaluation of each option).
+    """
 
-            return lax.fori_loop(0, count, body, (values, g_shared, g_data))
+    def __init__(self, spec: SiteSpec, resident_leaves, workers: int):
+        self.spec = spec
+        self.decision = None
+        self.timing = None
+        self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
+        self._resident_leaves = tuple(resident_leaves)
+        self._lock = threading.Lock()
+        self._program = None
+        self._prepared = None
+        self._host = None
 
-        return run
+    @property
+    def label(self) -> str:
+        return self.spec.label
 
-    def _segments(self, first: int, count: int):
-        """(rows per block, blocks, first row) of the full and tail parts of a block run."""
-        p = self.plan
-        full = max(0, min(first + count, p.n_full) - first)
-        if full:
-            yield p.block_rows, full, first * p.block_rows
-        if p.tail_rows and first + count > p.n_full:
-            yield p.tail_rows, 1, p.n_full * p.block_rows
-
-    # -- graph path --------------------------------------------------------------
-
-    def graph_partials(self, traced, shared, diff_traced, diff_shared):
-        """Per-block partials of all blocks, computed inside the caller's graph."""
-        resident = tuple(None if r is None else jnp.asarray(r) for r in self.resident)
-        # The barrier makes the loop's inputs opaque, as they are on the host: XLA may
-        # neither fold the data constants into fn's code nor fuse the caller's
-        # computation of a parameter (exp(log_sigma), say) into the loop body, either
-        # of which would change the rounding.
-        resident, traced, shared = lax.optimization_barrier(
-            (resident, tuple(traced), tuple(shared)))
-        parts = []
-        for rows, length, row0 in self._segments(0, self.plan.n_blocks):
-            row0, count = lax.optimization_barrier((jnp.int32(row0), jnp.int32(length)))
-            run = self.block_loop(rows, length, diff_traced, diff_shared)
-            parts.append(run(resident, traced, shared, row0, count))
-        return _concat_parts(parts, batch_ndim=0)
-
-    # -- host path ---------------------------------------------------------------
-
-    def device_resident(self):
-        """The concrete data leaves as arrays on the host CPU device, made once."""
-        if self._device_resident is None:
+    @property
+    def program(self) -> Program:
+        """The traced block computations (made on first use)."""
+        if self._program is None:
             with self._lock:
-                if self._device_resident is None:
-                    cpu = host_device()
-                    self._device_resident = tuple(
-                        None if r is None else jax.device_put(r, cpu) for r in self.resident)
-        return self._device_resident
+                if self._program is None:
+                    self._program = Program(self.spec)
+        return self._program
 
-    def compiled(self, rows: int, length: int, diff_traced, diff_shared, in_axes):
-        """The jitted block loop for one chunk shape (and batching), cached."""
-        key = (rows, length, diff_traced, diff_shared, in_axes)
-        fn = self._compiled.get(key)
-        if fn is None:
-            run = self.block_loop(rows, length, diff_traced, diff_shared)
-            if in_axes is not None:
-                traced_axes, shared_axes = in_axes
-                run = jax.vmap(run, in_axes=(None, traced_axes, shared_axes, None, None))
-            fn = jax.jit(run)
+    @property
+    def traces(self):
+        """(form, blocks) -> times a block computation of that shape was traced."""
+        return self.program.traces
+
+    def prepared(self) -> tuple:
+        """The resident data as numpy blocks, with the hoisted residuals (made once)."""
+        if self._prepared is None:
+            program = self.program
             with self._lock:
-                fn = self._compiled.setdefault(key, fn)
-        return fn
+                if self._prepared is None:
+                    self._prepared = run_eagerly(program.prepare, self._resident_leaves)
+                    self._resident_leaves = ()  # the prepared blocks replace them
+        return self._prepared
 
-    def run_chunk(self, chunk: Chunk, traced, shared, diff_traced, diff_shared, in_axes,
-                  resident=None, row_offset: int = 0) -> ChunkResult:
-        """Evaluate one chunk's blocks (on whichever worker calls this).
+    def resident(self) -> Resident:
+        """The prepared data on the host CPU device (for host-path chunks here)."""
+        if self._host is None:
+            prepared = self.prepared()
+            with self._lock:
+                if self._host is None:
+                    self._host = Resident(prepared, 0, self.spec.x64)
+        return self._host
 
-        ``resident`` and ``traced`` may hold only the rows from ``row_offset`` on (a
-        worker that keeps a slice of the data); the blocks computed are the same.
-        """
-        t0 = time.perf_counter()
-        resident = self.device_resident() if resident is None else resident
-        parts = []
-        try:
-            # The same precision and device on every thread, so every thread hits the
-            # same compiled chunk (pure_callback's thread has a default device set).
-            with jax.enable_x64(self.x64), jax.default_device(host_device()):
-                for rows, length, row0 in self._segments(chunk.first, chunk.count):
-                    fn = self.compiled(rows, length, diff_traced, diff_shared, in_axes)
-                    parts.append(fn(resident, traced, shared, np.int32(row0 - row_offset),
-                                    np.int32(length)))
-                values, g_shared, g_data = _concat_parts(parts, batch_ndim=0 if in_axes is None else 1)
-                out = jax.device_get((values, g_shared, g_data))
-        except Exception as e:
-            raise ChunkError.wrap(e, chunk.rows(self.plan), self.label) from e
-        return ChunkResult(chunk, out[0], tuple(out[1]), tuple(out[2]), time.perf_counter() - t0)
+    def run_chunk(self, chunk: Chunk, evaluation):
+        """Evaluate ``chunk`` here, on the calling thread (see :func:`host.run_chunk`)."""
+        from .host import run_chunk
 
-    def assemble(self, results, batch_shape, diff_traced_shapes, diff_shared_shapes):
-        """Put chunk results into whole-call buffers, in block order."""
-        p = self.plan
-        values = np.empty(batch_shape + (p.n_blocks,), self.value_dtype)
-        g_shared = [np.empty(batch_shape + (p.n_blocks,) + s, d) for s, d in diff_shared_shapes]
-        g_data = [np.empty(batch_shape + (p.n_rows,) + s, d) for s, d in diff_traced_shapes]
-        lead = (slice(None),) * len(batch_shape)
-        for res in results:
-            blocks = lead + (slice(res.chunk.first, res.chunk.first + res.chunk.count),)
-            rows = lead + (slice(*res.chunk.rows(p)),)
-            values[blocks] = res.values
-            for buf, g in zip(g_shared, res.shared_grads):
-                buf[blocks] = g
-            for buf, g in zip(g_data, res.data_grads):
-                buf[rows] = g
-        return values, tuple(g_shared), tuple(g_data)
+        return run_chunk(self.program, self.resident(), chunk, evaluation)
+
+    def release(self) -> None:
+        """Free device copies (the state stays usable: they are made again on demand)."""
+        host, self._host = self._host, None
+        if host is not None:
+            host.delete()
 
     def __repr__(self) -> str:
-        p = self.plan
-        return (f"Site({self.label}, rows={p.n_rows}, block_rows={p.block_rows}, "
-                f"blocks={p.n_blocks}, dispatch={self.dispatch})")
+        p = self.spec.plan
+        return (f"SiteState({self.spec.label}, rows={p.n_rows}, block_rows={p.block_rows}, "
+                f"blocks={p.n_blocks}, form={self.spec.form}, decision={self.decision})")
 
 
-@functools.cache
-def host_device():
-    """The CPU device on which host-path chunks run (looked up once: it is on the hot path)."""
-    return jax.devices("cpu")[0]
+class SiteCache:
+    """An executor's site states, keyed by call site and data identity.
+
+    A state is dropped when any resident data leaf it was made from is garbage
+    collected (leaves that cannot be weakly referenced are kept alive with it), and
+    at most ``max_sites`` are kept, least recently used first out.
+    """
+
+    def __init__(self, max_sites: int = 256, on_forget=None):
+        self.max_sites = max_sites
+        self._on_forget = on_forget
+        self._states: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, make, leaves=()):
+        with self._lock:
+            state = self._states.get(key)
+            if state is not None:
+                self._states.move_to_end(key)
+                return state
+        state = make()
+        with self._lock:
+            state = self._states.setdefault(key, state)
+            self._states.move_to_end(key)
+            evicted = []
+            while len(self._states) > self.max_sites:
+                evicted.append(self._states.popitem(last=False)[1])
+        for old in evicted:
+            self._drop(old)
+        ref = weakref.ref(self)
+        for leaf in leaves:
+            try:
+                weakref.finalize(leaf, _forget, ref, key)
+            except TypeError:  # not weakly referenceable: lives as long as the state
+                pass
+        return state
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def _drop(self, state) -> None:
+        state.release()
+        if self._on_forget is not None:
+            self._on_forget(state)
+
+    def forget(self, key) -> None:
+        with self._lock:
+            state = self._states.pop(key, None)
+        if state is not None:
+            self._drop(state)
+
+    def clear(self) -> None:
+        with self._lock:
+            states, self._states = list(self._states.values()), OrderedDict()
+        for state in states:
+            state.release()
 
 
-def _merge(full, subset, mask):
-    it = iter(subset)
-    return [next(it) if m else x for x, m in zip(full, mask)]
+def _forget(ref, key) -> None:
+    cache = ref()
+    if cache is not None:
+        cache.forget(key)
 
-
-def _concat_parts(parts, batch_ndim: int):
-    """Join the (full, tail) segment outputs along the block/row axis."""
-    if len(parts) == 1:
-        return parts[0]
-    axis = batch_ndim
-    values = jnp.concatenate([p[0] for p in parts], axis=axis)
-    g_shared = tuple(jnp.concatenate(gs, axis=axis) for gs in zip(*[p[1] for p in parts]))
-    g_data = tuple(jnp.concatenate(gd, axis=axis) for gd in zip(*[p[2] for p in parts]))
-    return values, g_shared, g_data

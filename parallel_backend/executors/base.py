@@ -1,52 +1,49 @@
-"""The executor protocol, its bookkeeping, and the host-path evaluation they share.
+"""The executor protocol: lifecycle, bookkeeping, and the hooks subclasses override.
 
-This module owns :class:`Executor`: a resource-owning context manager that runs
-chunk tasks and counts what it did. Subclasses (serial, thread here; dask and
-device as plugins) override :meth:`Executor.map_chunks` and, where they run no
-host tasks, declare ``dispatch = "graph"``. It imports jax, numpy and the core.
+This module owns :class:`Executor`, a resource-owning context manager that
+evaluates chunk tasks and counts what it did. Subclasses (serial and thread here;
+dask and device as plugins) override :meth:`Executor.map_chunks` and, where they
+need to, :attr:`Executor.workers`, :meth:`Executor.graph_partials`,
+:meth:`Executor.bytes_per_call` and :meth:`Executor.release`. The host path
+itself lives in :mod:`parallel_backend.host`, the graph/host decision in
+:mod:`parallel_backend.dispatch`. Imports the core only.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import numpy as np
 
-from ..chunking import AdaptiveChunker, fixed_chunks
-from ..errors import ChunkError
-from ..site import ChunkResult, Site
+from .. import dispatch as _dispatch
+from ..counting import GraphCounter
+from ..site import SiteCache, SiteState
 
 __all__ = ["Executor", "DISPATCH_MODES"]
 
 DISPATCH_MODES = ("auto", "graph", "host")
-#: Below this graph time per evaluation, a callback and task dispatch cannot pay.
-GRAPH_ALWAYS_SECONDS = 1.5e-3
-#: Measured cost of one host callback, added to the host path's time.
-CALLBACK_SECONDS = 1e-4
-#: The host path must beat the graph by this factor to be chosen.
-HOST_MARGIN = 0.85
 
 
 class Executor:
     """Base class of every executor.
 
-    An executor decides, once per call site, whether the block loop stays inside
-    the caller's XLA program (``"graph"``) or is cut into chunks that its workers
-    evaluate through a host callback (``"host"``), and with ``"auto"`` it measures
-    both. It counts every evaluation in :meth:`stats`.
+    An executor decides, once per call site, whether the blocks are evaluated
+    inside the caller's XLA program (``"graph"``) or as chunks on its workers
+    through a host callback (``"host"``); with ``"auto"`` it measures. Either way
+    every block is computed the same way, so the choice never changes a result.
+    It counts every evaluation in :meth:`stats`.
 
     Parameters
     ----------
     dispatch : {"auto", "graph", "host"}
-        Where the block loop runs. ``"auto"`` keeps small or already fast work in
-        the graph and uses host workers only where they measured faster.
+        Where the blocks are evaluated. ``"auto"`` keeps small or already fast work
+        in the graph and uses the workers only where they measured clearly faster.
     count_calls : bool
-        Count evaluations that stay in the graph (a tiny host callback per
-        evaluation, about 0.1 ms). Host-path evaluations are always counted.
+        Count evaluations that run in the graph for :meth:`stats` (a counter compiled
+        into the program, about 10-15 us per evaluation on CPU). Host-path
+        evaluations are always counted.
     """
 
     name: ClassVar[str] = "base"
@@ -57,31 +54,36 @@ class Executor:
         self.dispatch = dispatch
         self.count_calls = bool(count_calls)
         self._lock = threading.Lock()
-        self._sites: dict = {}
+        self._states = SiteCache(on_forget=self._retire)
+        self._counters: dict = {}  # id(state) -> GraphCounter
         self._closed = False
         self._created = time.time()
         self._counts = dict(calls=0, graph_calls=0, host_calls=0, chunks=0, rows=0,
                             seconds_in_workers=0.0, bytes_sent=0)
 
-    # -- what subclasses provide ---------------------------------------------------
+    # -- hooks subclasses override ----------------------------------------------------
 
     @property
     def workers(self) -> int:
         """How many chunk tasks can run at once."""
         return 1
 
-    def map_chunks(self, site: Site, chunks, args) -> list[ChunkResult]:
-        """Evaluate ``chunks`` of ``site``; results in chunk order. Serial by default."""
-        return [site.run_chunk(c, *args) for c in chunks]
+    def map_chunks(self, state: SiteState, chunks, evaluation) -> list:
+        """Evaluate ``chunks`` of ``state``'s call site; results in chunk order.
 
-    def graph_partials(self, site: Site, traced, shared, diff_traced, diff_shared):
+        ``evaluation`` is a :class:`parallel_backend.host.Evaluation`; each chunk is a
+        run of whole tiles. The default runs them one after another on this thread.
+        """
+        return [state.run_chunk(c, evaluation) for c in chunks]
+
+    def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared):
         """Per-block partials computed inside the caller's XLA program (no callback).
 
-        Called while tracing. The default runs the whole block loop in place; an
-        executor that maps blocks over devices overrides it and must return the
-        same partials, bitwise.
+        Called while tracing. The default evaluates every block in place; an
+        executor that maps blocks over devices overrides it.
         """
-        return site.graph_partials(traced, shared, diff_traced, diff_shared)
+        return state.program.graph_partials(state.prepared(), traced, shared, diff_traced,
+                                            diff_shared)
 
     def map(self, func, items) -> list:
         """``[func(item) for item in items]`` on this executor's workers, in order.
@@ -89,105 +91,71 @@ class Executor:
         For one-off work beside sampling (pointwise log-likelihoods, profiling).
         ``func`` must be picklable (cloudpickle) for executors in other processes.
         """
-        self._check_open()
+        self.check_open()
         return [func(item) for item in items]
 
-    def _bytes_per_call(self, traced, shared, n_tasks: int) -> int:
-        """Parameter bytes handed to tasks in one call (an executor that sends
-        messages counts what it sent instead)."""
+    def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
+        """Parameter bytes handed to tasks in one evaluation (an executor that sends
+        messages counts what it sent instead, with :meth:`count`)."""
         return sum(np.asarray(x).nbytes for x in (*traced, *shared)) * n_tasks
 
-    def _shutdown(self) -> None:
-        """Release threads, processes and connections."""
+    def release(self) -> None:
+        """Release threads, processes and connections (called once, by :meth:`close`)."""
 
-    # -- sites ---------------------------------------------------------------------
+    # -- call sites --------------------------------------------------------------------
 
-    def site(self, key, make):
-        """The cached :class:`Site` for ``key``, made by ``make()`` on first use."""
-        self._check_open()
-        with self._lock:
-            site = self._sites.get(key)
-            if site is None:
-                site = make()
-                site.chunker = AdaptiveChunker(site.plan, self.workers)
-                self._sites[key] = site
-        return site
+    def site_state(self, key, make, leaves=()) -> SiteState:
+        """The :class:`SiteState` for ``key``, made by ``make()`` on first use; forgotten
+        when any of ``leaves`` (the resident data) is garbage collected."""
+        self.check_open()
+        return self._states.get(key, make, leaves)
 
-    # -- choosing graph or host, once per site --------------------------------------
+    def sites(self) -> list:
+        """The call sites this executor holds, as :class:`SiteState` records."""
+        return self._states.values()
 
-    def choose_dispatch(self, site: Site, grainsize, data_leaves, shared_leaves) -> str:
-        """``"graph"`` or ``"host"`` for ``site``; with ``"auto"``, measured.
+    def decide(self, state: SiteState, grainsize, data_leaves, shared_leaves) -> str:
+        """Where ``state``'s site runs: ``"graph"`` or ``"host"`` (see :mod:`.dispatch`)."""
+        return _dispatch.decide(self, state, grainsize, data_leaves, shared_leaves)
 
-        Small work stays in the graph. Otherwise both paths are timed on the data
-        and on the parameter values at hand (ones where they are traced), and host
-        workers are used only when they were clearly faster.
-        """
-        if self.dispatch != "auto":
-            return self.dispatch
-        if self.workers < 2 or site.plan.n_blocks < 2:
-            return "graph"
-        # Measure on a thread of its own: this runs while the caller's jit is tracing,
-        # and on this thread every jax operation would be staged into that trace.
-        with ThreadPoolExecutor(1, thread_name_prefix="parallel_backend_calibrate") as pool:
-            timing = pool.submit(calibrate, self, site, grainsize, data_leaves,
-                                 shared_leaves).result()
-        site.timing = timing
-        if timing["graph"] < GRAPH_ALWAYS_SECONDS:
-            return "graph"
-        return "host" if timing["host"] + CALLBACK_SECONDS < HOST_MARGIN * timing["graph"] else "graph"
+    # -- bookkeeping ---------------------------------------------------------------------
 
-    # -- the host path -------------------------------------------------------------
-
-    def evaluate(self, site: Site, grainsize, traced, shared, diff_traced, diff_shared,
-                 orig_ndims, count: bool = True):
-        """Run one evaluation on the workers and return per-block partials.
-
-        Called from the host callback with host arrays (jax 0.10 hands the callback
-        ``jax.Array`` values, not numpy: an executor that pickles them converts them
-        first). Batched arguments (under ``vmap``) carry leading batch axes; all batch
-        members go in each task.
-        """
-        self._check_open()
-        t0 = time.perf_counter()
-        traced, shared, in_axes, batch_shape = _unbatch(traced, shared, orig_ndims)
-        chunks = (site.chunker.chunks() if grainsize is None
-                  else fixed_chunks(site.plan, grainsize))
-        args = (traced, shared, diff_traced, diff_shared, in_axes)
-        try:
-            results = self.map_chunks(site, chunks, args)
-        except ChunkError as e:
-            raise ChunkError.wrap(e, e.rows, site.label, self.name) from e.__cause__
-        wall = time.perf_counter() - t0
-        busy = sum(r.seconds for r in results)
-        if grainsize is None and results:
-            overhead = max(wall * min(self.workers, len(results)) - busy, 0.0) / len(results)
-            for r in results:
-                site.chunker.record(r.chunk.count, r.seconds, overhead)
-        k = math.prod(batch_shape) if batch_shape else 1
-        if count:
-            self._count(host_calls=1, calls=1, chunks=len(results), rows=site.plan.n_rows * k,
-                        seconds_in_workers=busy,
-                        bytes_sent=self._bytes_per_call(traced, shared, len(results)))
-        axes_t, axes_s = in_axes if in_axes is not None else ((None,) * len(traced),
-                                                               (None,) * len(shared))
-        shapes_t = [(_unbatched_shape(t, a)[1:], np.asarray(t).dtype)
-                    for t, a, d in zip(traced, axes_t, diff_traced) if d]
-        shapes_s = [(_unbatched_shape(s, a), np.asarray(s).dtype)
-                    for s, a, d in zip(shared, axes_s, diff_shared) if d]
-        flat_batch = (k,) if in_axes is not None else ()
-        out = site.assemble(results, flat_batch, shapes_t, shapes_s)
-        return _restore_batch(out, flat_batch, batch_shape)
-
-    def count_graph_call(self, site: Site, batch: int = 1) -> None:
-        """Record one evaluation that ran inside the graph (``batch`` parameter sets)."""
-        self._count(graph_calls=1, calls=1, chunks=1, rows=site.plan.n_rows * batch)
-
-    # -- bookkeeping ---------------------------------------------------------------
-
-    def _count(self, **inc) -> None:
+    def count(self, **inc) -> None:
+        """Add to the counters :meth:`stats` reports (``calls=1, chunks=4, ...``)."""
         with self._lock:
             for k, v in inc.items():
-                self._counts[k] += v
+                self._counts[k] = self._counts.get(k, 0) + v
+
+    def graph_counter(self, state: SiteState) -> GraphCounter:
+        """The counter compiled into ``state``'s graph evaluations (made on first use)."""
+        with self._lock:
+            counter = self._counters.get(id(state))
+            if counter is None:
+                counter = self._counters[id(state)] = GraphCounter()
+            return counter
+
+    def graph_counts(self, state: SiteState, calls: int, batches: int) -> dict:
+        """What ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
+        add to :meth:`stats`; an executor that splits the graph over devices overrides it."""
+        return dict(graph_calls=calls, calls=calls, chunks=calls,
+                    rows=state.spec.plan.n_rows * batches)
+
+    def _retire(self, state: SiteState) -> None:
+        """A forgotten state's graph counts stay in the totals."""
+        with self._lock:
+            counter = self._counters.pop(id(state), None)
+        if counter is not None:
+            self.count(**self.graph_counts(state, *counter.retire()))
+
+    def _graph_totals(self) -> dict:
+        out: dict = {}
+        for state in self.sites():
+            with self._lock:
+                counter = self._counters.get(id(state))
+            if counter is not None:
+                for k, v in self.graph_counts(state, *counter.counts()).items():
+                    out[k] = out.get(k, 0) + v
+        return out
 
     def stats(self) -> dict:
         """What this executor did since it was made.
@@ -199,19 +167,28 @@ class Executor:
             ``reduce_sum``; a ``vmap`` batch is one call), ``graph_calls`` and
             ``host_calls`` (where they ran), ``chunks`` (tasks run), ``rows``
             (rows evaluated, times the batch size), ``seconds_in_workers``,
-            ``bytes_sent`` (parameter bytes handed to tasks), ``workers``, and per
-            call site its block and chunk sizes.
+            ``bytes_sent`` (parameter bytes handed to tasks), ``workers``,
+            ``counting`` (``"all"``, or ``"host only"`` when made with
+            ``count_calls=False``: evaluations inside the graph are then not in
+            ``calls``), and per call site its block, tile and chunk sizes.
         """
         with self._lock:
             out = dict(self._counts)
-            sites = list(self._sites.values())
+        for k, v in self._graph_totals().items():
+            out[k] = out.get(k, 0) + v
         out["executor"] = self.name
         out["workers"] = self.workers
-        out["sites"] = [_site_stats(s) for s in sites]
+        out["counting"] = "all" if self.count_calls else "host only"
+        out["sites"] = [site_stats(s) for s in self.sites()]
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
         return out
 
-    def _check_open(self) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raise if the executor was closed."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed; make a new executor")
 
@@ -219,9 +196,12 @@ class Executor:
         """Release every thread, process and connection; idempotent."""
         if not self._closed:
             self._closed = True
-            self._shutdown()
+            self.release()
+            self._states.clear()
             with self._lock:
-                self._sites.clear()
+                counters, self._counters = self._counters, {}
+            for counter in counters.values():
+                counter.retire()
 
     def __enter__(self):
         return self
@@ -230,120 +210,23 @@ class Executor:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"calls={self._counts['calls']}"
+        state = "closed" if self._closed else f"calls={self.stats()['calls']}"
         return f"{type(self).__name__}(workers={self.workers}, dispatch={self.dispatch!r}, {state})"
 
 
-def calibrate(executor, site: Site, grainsize, data_leaves, shared_leaves, repeats: int = 5) -> dict:
-    """Median seconds of one value-and-gradient evaluation on each path."""
-    import jax
-
-    from ..site import combine
-
-    def probe(x):
-        if isinstance(x, jax.core.Tracer):
-            return np.ones(x.shape, x.dtype)
-        return np.asarray(x)
-
-    traced = tuple(probe(x) for x in data_leaves if isinstance(x, jax.core.Tracer))
-    shared = tuple(probe(x) for x in shared_leaves)
-    dt = tuple(np.issubdtype(x.dtype, np.inexact) for x in traced)
-    ds = tuple(np.issubdtype(x.dtype, np.inexact) for x in shared)
-
-    graph = jax.jit(lambda t, s: combine(*site.graph_partials(t, s, dt, ds)))
-    host_args = (traced, shared, dt, ds, tuple(np.ndim(x) for x in (*traced, *shared)))
-
-    def run_graph():
-        jax.block_until_ready(graph(traced, shared))
-
-    def run_host():
-        executor.evaluate(site, grainsize, *host_args, count=False)
-
-    # Host warm-up lasts until the chunker has settled, so no timed call compiles.
-    host_warmup = 2 + (0 if grainsize is not None else site.chunker.settle_after)
-    return {"graph": _median_time(run_graph, repeats, 2),
-            "host": _median_time(run_host, repeats, host_warmup)}
-
-
-def _median_time(fn, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def row_slice(traced, in_axes, start: int, stop: int) -> tuple:
-    """Rows ``[start, stop)`` of the traced data leaves a host callback received.
-
-    Under ``vmap`` (``in_axes`` from :func:`_unbatch`) a batched leaf carries the
-    batch first and its rows on axis 1; an unbatched one has its rows on axis 0.
-    """
-    axes = in_axes[0] if in_axes is not None else (None,) * len(traced)
-    return tuple(np.asarray(t)[(slice(None),) * (1 if a == 0 else 0) + (slice(start, stop),)]
-                 for t, a in zip(traced, axes))
-
-
-def _unbatched_shape(x, axis) -> tuple:
-    shape = tuple(np.shape(x))
-    return shape[1:] if axis == 0 else shape
-
-
-def _site_stats(site: Site) -> dict:
-    p = site.plan
-    if site.dispatch == "host" and site.chunker is not None:
-        rows = [min(site.chunker.blocks_per_chunk * p.block_rows, p.n_rows)]
+def site_stats(state: SiteState) -> dict:
+    """One call site's entry in :meth:`Executor.stats`."""
+    spec = state.spec
+    p = spec.plan
+    host = state.decision == "host"
+    if host:
+        rows = [min(state.chunker.blocks_per_chunk * p.block_rows, p.n_rows)]
     else:
         rows = [p.n_rows]
-    return dict(label=site.label, rows=p.n_rows, block_rows=p.block_rows, blocks=p.n_blocks,
-                dispatch=site.dispatch, chunk_rows=rows,
-                settled=site.chunker.settled if site.dispatch == "host" and site.chunker else None)
-
-
-def _unbatch(traced, shared, orig_ndims):
-    """Flatten the leading vmap axes of callback arguments to one batch axis.
-
-    With ``vmap_method="expand_dims"`` every argument carries one leading axis per
-    vmap level, of size 1 where that argument is not batched. Unbatched arguments
-    are squeezed (and get ``in_axes=None``) so the host compiles exactly what the
-    graph path would under the same ``vmap``.
-    """
-    leaves = list(traced) + list(shared)
-    if not leaves:
-        return tuple(traced), tuple(shared), None, ()
-    nb = np.ndim(leaves[0]) - orig_ndims[0]
-    if nb == 0:
-        return tuple(traced), tuple(shared), None, ()
-    leads = [np.shape(x)[:nb] for x in leaves]
-    batch_shape = tuple(np.broadcast_shapes(*leads))
-    k = math.prod(batch_shape)
-    out, axes = [], []
-    for x, lead in zip(leaves, leads):
-        x = np.asarray(x)
-        rest = x.shape[nb:]
-        if all(d == 1 for d in lead):
-            out.append(x.reshape(rest))
-            axes.append(None)
-        else:
-            out.append(np.broadcast_to(x, batch_shape + rest).reshape((k,) + rest))
-            axes.append(0)
-    n = len(traced)
-    if all(a is None for a in axes):
-        return tuple(out[:n]), tuple(out[n:]), None, batch_shape
-    return tuple(out[:n]), tuple(out[n:]), (tuple(axes[:n]), tuple(axes[n:])), batch_shape
-
-
-def _restore_batch(out, flat_batch, batch_shape):
-    """Restore the caller's batch shape on host-path outputs."""
-    values, g_shared, g_data = out
-    if flat_batch == tuple(batch_shape):
-        return values, g_shared, g_data
-
-    def fix(x):
-        x = np.asarray(x)
-        return x.reshape(tuple(batch_shape) + x.shape[len(flat_batch):])
-
-    return fix(values), tuple(fix(g) for g in g_shared), tuple(fix(g) for g in g_data)
+    out = dict(label=spec.label, rows=p.n_rows, block_rows=p.block_rows, blocks=p.n_blocks,
+               tile_blocks=spec.tiles.tile_blocks, tiles=spec.tiles.n_tiles, form=spec.form,
+               dispatch=state.decision, chunk_rows=rows,
+               settled=state.chunker.settled if host else None)
+    if state.timing:
+        out["timing"] = {k: float(np.median(v)) for k, v in state.timing.items() if v}
+    return out

@@ -6,20 +6,13 @@ parallelism without copying data: every worker reads the same resident arrays.
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from ..blocks import cpu_count
 from .base import Executor
 
 __all__ = ["ThreadExecutor"]
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class ThreadExecutor(Executor):
@@ -52,7 +45,7 @@ class ThreadExecutor(Executor):
     def __init__(self, workers: int | None = None, *, dispatch: str = "auto",
                  count_calls: bool = True):
         if workers is None:
-            workers = _cpu_count()
+            workers = cpu_count()
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"ThreadExecutor: workers must be a positive int or None, got {workers!r}")
         super().__init__(dispatch=dispatch, count_calls=count_calls)
@@ -66,16 +59,16 @@ class ThreadExecutor(Executor):
 
     def _get_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
-            self._check_open()
+            self.check_open()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="parallel_backend")
             return self._pool
 
-    def map_chunks(self, site, chunks, args):
+    def map_chunks(self, state, chunks, evaluation):
         if len(chunks) == 1 or self._workers == 1:
-            return [site.run_chunk(c, *args) for c in chunks]
+            return [state.run_chunk(c, evaluation) for c in chunks]
         pool = self._get_pool()
-        futures = [pool.submit(site.run_chunk, c, *args) for c in chunks]
+        futures = [pool.submit(state.run_chunk, c, evaluation) for c in chunks]
         return [f.result() for f in futures]
 
     def map(self, func, items) -> list:
@@ -84,7 +77,7 @@ class ThreadExecutor(Executor):
             return super().map(func, items)
         return list(self._get_pool().map(func, items))
 
-    def _shutdown(self) -> None:
+    def release(self) -> None:
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:

@@ -1,15 +1,14 @@
 """The worker side of :class:`DaskExecutor`: state kept in each dask worker process.
 
 This module owns :class:`WorkerState`, a ``distributed.WorkerPlugin`` that holds,
-per worker, the call sites (``fn`` and its block plan, sent once, cloudpickled),
-the pieces of data that live there (sent once, keyed by content), the compiled
-chunk functions (compiled there once per chunk shape) and a thread pool that
-runs them. The client reaches it with :func:`evaluate` and :func:`install`,
-called straight on the worker (dask's ``run`` handler), not through the
-scheduler: a scheduler round trip costs about 10 ms, a direct call about 1 ms.
+per worker, the call sites (their specs, sent once, cloudpickled, and the block
+computations rebuilt from them), the shards of prepared data that live there
+(sent once, keyed by content), and a thread pool that runs chunks. The client
+reaches it with :func:`evaluate` and :func:`install`, called straight on the
+worker (see :mod:`.protocol`).
 
-Imports the core's names, jax (lazily, after the XLA flags are set), numpy,
-cloudpickle and distributed.
+Imports the core's interface, jax (lazily, after the environment is set),
+numpy, cloudpickle and distributed.
 """
 
 from __future__ import annotations
@@ -17,26 +16,20 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import cloudpickle
 import numpy as np
 from distributed import WorkerPlugin
 
-from parallel_backend.errors import ChunkError
+from .cluster import XLA_FLAGS
+from .protocol import ERROR, GONE, MISSING, OK, Reply
 
-__all__ = ["WorkerState", "evaluate", "install", "XLA_FLAGS"]
-
-#: XLA's own threading off on workers: the worker's threads are the parallelism, and
-#: several worker processes on one host must not each start a pool per core.
-XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-#: Chunk views (device arrays of a chunk's rows) kept per worker, most recent first.
-MAX_VIEWS = 32
+__all__ = ["WorkerState", "evaluate", "install"]
 
 
 class WorkerState(WorkerPlugin):
-    """Per-worker sites, data pieces and compiled chunks of one executor.
+    """Per-worker sites, data shards and thread pool of one executor.
 
     Parameters
     ----------
@@ -44,7 +37,7 @@ class WorkerState(WorkerPlugin):
         The plugin name, unique per executor, so executors sharing a cluster
         never see each other's state.
     limit_xla_threads : bool
-        Set :data:`XLA_FLAGS` in the worker before JAX is first imported there.
+        Set XLA's flags in the worker before JAX is first used there.
     """
 
     def __init__(self, name: str, limit_xla_threads: bool = True):
@@ -67,71 +60,55 @@ class WorkerState(WorkerPlugin):
         self.address = worker.address
         self.pool = ThreadPoolExecutor(max(1, int(threads)),
                                        thread_name_prefix="parallel_backend_dask")
-        self.sites: dict = {}  # site token -> Site
-        self.pieces: dict = {}  # (data token, slot) -> (first row, leaves: array or None)
-        self.views: OrderedDict = OrderedDict()  # (data token, first, count) -> device arrays
+        self.specs: dict = {}  # site token -> SiteSpec
+        self.sites: dict = {}  # site token -> Program, built at the site's first chunk
+        self.shards: dict = {}  # (data token, shard) -> Resident
         self.lock = threading.Lock()
 
     def teardown(self, worker) -> None:
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        self.sites, self.pieces, self.views = {}, {}, OrderedDict()
+        for resident in getattr(self, "shards", {}).values():
+            resident.delete()
+        self.specs, self.sites, self.shards = {}, {}, {}
 
-    # -- state ---------------------------------------------------------------------
-
-    def missing(self, token, data_token, slots) -> tuple[bool, list]:
-        """Whether the site is missing, and which data pieces are."""
-        return token not in self.sites, sorted({s for s in slots
-                                               if (data_token, s) not in self.pieces})
+    def missing(self, token, data_token, shards) -> tuple[bool, tuple]:
+        """Whether the site is missing, and which data shards are."""
+        return token not in self.specs, tuple(sorted({s for s in shards
+                                                      if (data_token, s) not in self.shards}))
 
     def add(self, token, spec, data_token, pieces) -> None:
-        if spec is not None and token not in self.sites:
-            self.sites[token] = _site_from_spec(cloudpickle.loads(spec))
-        for slot, first_row, leaves in pieces:
-            self.pieces[(data_token, slot)] = (first_row, leaves)
+        from parallel_backend.extend import Resident
 
-    def _view(self, site, data_token, slot, chunk):
-        """The resident rows of ``chunk`` as device arrays, made once per chunk shape."""
-        import jax
+        if spec is not None and token not in self.specs:
+            self.specs[token] = cloudpickle.loads(spec)
+        x64 = self.specs[token].x64 if token in self.specs else False
+        for shard, first, arrays in pieces:
+            self.shards[(data_token, shard)] = Resident(arrays, first, x64)
 
-        from parallel_backend.site import host_device
+    def program(self, token):
+        """The block computations of a site, traced here at its first chunk (where an
+        ``fn`` that fails on this worker fails as a chunk, with its rows)."""
+        from parallel_backend.extend import Program
 
-        key = (data_token, chunk.first, chunk.count)
         with self.lock:
-            view = self.views.get(key)
-            if view is not None:
-                self.views.move_to_end(key)
-                return view
-        first_row, leaves = self.pieces[(data_token, slot)]
-        r0, r1 = chunk.rows(site.plan)
-        # Under the site's precision: without x64, device_put would make float64 data float32.
-        with jax.enable_x64(site.x64):
-            view = tuple(None if x is None else jax.device_put(x[r0 - first_row:r1 - first_row],
-                                                               host_device())
-                         for x in leaves)
-        with self.lock:
-            self.views[key] = view
-            while len(self.views) > MAX_VIEWS:
-                self.views.popitem(last=False)
-        return view
+            program = self.sites.get(token)
+            if program is None:
+                program = self.sites[token] = Program(self.specs[token])
+            return program
 
     def run_task(self, token, data_token, task, shared, diff_traced, diff_shared, in_axes):
-        slot, chunk, traced = task
-        site = self.sites[token]
-        view = self._view(site, data_token, slot, chunk)
-        return site.run_chunk(chunk, traced, shared, diff_traced, diff_shared, in_axes,
-                              resident=view, row_offset=chunk.rows(site.plan)[0])
+        from parallel_backend.extend import ChunkError, Evaluation, run_chunk
 
-
-def _site_from_spec(spec):
-    from parallel_backend.site import Site
-
-    fn, data_treedef, shared_treedef, resident_mask, plan, value_dtype, x64, label = spec
-    # Resident leaves come per chunk (see WorkerState._view); the mask only tells
-    # the site which data leaves are traced.
-    resident = tuple(True if r else None for r in resident_mask)
-    return Site(fn, data_treedef, shared_treedef, resident, plan, value_dtype, x64, label=label)
+        shard, chunk, traced = task
+        spec = self.specs[token]
+        try:
+            program = self.program(token)
+        except Exception as e:
+            raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
+        evaluation = Evaluation(traced, shared, diff_traced, diff_shared, in_axes, chunk.first)
+        return run_chunk(program, self.shards[(data_token, shard)], chunk, evaluation)
 
 
 def _state(dask_worker, name):
@@ -139,36 +116,40 @@ def _state(dask_worker, name):
     return plugins.get(name)
 
 
-async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
-                   dask_worker=None):
-    """Run ``tasks`` (slot, chunk, traced rows) on this worker's pool.
+def _gone(dask_worker, name) -> Reply:
+    return Reply(GONE, detail=f"the worker {dask_worker.address} has no parallel_backend "
+                              f"state {name} (it restarted)")
 
-    Returns ``("ok", [ChunkResult])``, ``("missing", site?, [slots])`` when the
-    site or data must be sent first, or ``("error", ChunkError)``.
-    """
+
+async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
+                   dask_worker=None) -> Reply:
+    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool."""
+    from parallel_backend.extend import ChunkError
+
     state = _state(dask_worker, name)
     if state is None:
-        return ("gone", f"the worker {dask_worker.address} has no parallel_backend state {name}")
-    need_site, need_slots = state.missing(token, data_token, [t[0] for t in tasks])
-    if need_site or need_slots:
-        return ("missing", need_site, need_slots)
+        return _gone(dask_worker, name)
+    need_spec, need_shards = state.missing(token, data_token, [t[0] for t in tasks])
+    if need_spec or need_shards:
+        return Reply(MISSING, need_spec=need_spec, need_shards=need_shards)
     loop = asyncio.get_running_loop()
     futures = [loop.run_in_executor(state.pool, state.run_task, token, data_token, task, shared,
                                     diff_traced, diff_shared, in_axes) for task in tasks]
     results = await asyncio.gather(*futures, return_exceptions=True)
     for task, r in zip(tasks, results):
         if isinstance(r, BaseException):
-            site = state.sites[token]
-            return ("error", ChunkError.wrap(r, task[1].rows(site.plan), site.label, "dask"))
-    return ("ok", results)
+            spec = state.specs[token]
+            rows = spec.rows(task[1].first, task[1].count)
+            return Reply(ERROR, error=ChunkError.wrap(r, rows, spec.label, "dask"))
+    return Reply(OK, results=results)
 
 
-def install(name, token, spec, data_token, pieces, dask_worker=None):
-    """Keep a site (``spec``, cloudpickled, or ``None``) and data pieces on this worker."""
+def install(name, token, spec, data_token, pieces, dask_worker=None) -> Reply:
+    """Keep a site (``spec``, cloudpickled, or ``None``) and data shards on this worker."""
     state = _state(dask_worker, name)
     if state is None:
-        return ("gone", f"the worker {dask_worker.address} has no parallel_backend state {name}")
+        return _gone(dask_worker, name)
     state.add(token, spec, data_token,
-              [(slot, first, tuple(None if x is None else np.asarray(x) for x in leaves))
-               for slot, first, leaves in pieces])
-    return ("ok", None)
+              [(shard, first, tuple(np.asarray(x) for x in arrays))
+               for shard, first, arrays in pieces])
+    return Reply(OK)

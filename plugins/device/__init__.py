@@ -5,6 +5,7 @@ Imports jax and the core. Found through the
 ``pb.DeviceExecutor``.
 """
 
-from .executor import DeviceExecutor, DeviceLayout, device_layout
+from .executor import DeviceExecutor
+from .layout import DeviceLayout, device_layout
 
 __all__ = ["DeviceExecutor", "DeviceLayout", "device_layout"]

@@ -31,7 +31,7 @@ import numpyro
 from numpyro.primitives import Messenger
 
 import parallel_backend as pb
-from parallel_backend.blocks import row_bytes
+from parallel_backend.extend import row_bytes
 
 from .factor import INFER_KEY, reduce_sum_sites
 

@@ -14,9 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-#: Rows per block in every check: N = 1000 gives 15 full blocks and a tail of 40,
-#: so devices get uneven shares, padded slots and the tail.
-N, BLOCK_ROWS, BATCH = 1000, 64, 4
+#: Rows per block in every check: N = 31,000 gives 15 full blocks and a padded tail of
+#: 280 rows, in 4 tiles of 4 blocks (the last 4 with the tail), so devices get whole
+#: tiles, the graph layout padded slots, and the tail.
+N, BLOCK_ROWS, BATCH = 31_000, 2048, 4
 
 
 def problems(n: int = N) -> dict:
@@ -105,7 +106,7 @@ def run(n_devices: int, modes=("auto", "host", "graph"),
         out["stats"] = {k: v for k, v in st.items() if k != "sites"}
         out["site_dispatch"] = sorted({s["dispatch"] for s in st["sites"]})
         out["site_devices"] = sorted({s["devices"] for s in st["sites"]})
-        out["layout"] = [dev.layout(s).blocks_on(d) for s in list(dev._sites.values())[:1]
+        out["layout"] = [dev.layout(s).blocks_on(d) for s in dev.sites()[:1]
                          for d in range(n_devices)]
         dev.close()
         out["closed_repr"] = repr(dev)

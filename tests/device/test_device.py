@@ -22,6 +22,8 @@ import pytest
 import parallel_backend as pb
 
 SCRIPT = Path(__file__).with_name("device_checks.py")
+#: The checks' data size and block rows (device_checks.N, .BLOCK_ROWS).
+N, BLOCK_ROWS = 31_000, 2048
 PROBLEMS = ("random_effects", "logistic", "hmm")
 #: The modes whose results are bitwise SerialExecutor's everywhere, by construction.
 BITWISE = ("auto", "host")
@@ -51,9 +53,9 @@ def two_devices() -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-devices", "4-devices"])
 def run(request):
-    # On 4 devices (uneven shares: 16 blocks, 15 full) the host device map, on the
-    # per-row-parameter and the scan likelihoods, without NUTS; the graph layout's
-    # padding is already exercised on 2 devices (8 slots each, 7 full on the last).
+    # On 4 devices (one tile of 4 blocks each, the tail on the last) the host device map,
+    # on the per-row-parameter and the scan likelihoods, without NUTS; the graph layout
+    # is exercised on 2 devices.
     if request.param == 2:
         return two_devices()
     return device_run(4, "host", "", "random_effects,hmm")
@@ -94,16 +96,16 @@ def test_host_mode_splits_over_every_device(run):
     st = host["stats_3_calls"]
     assert st["calls"] == st["host_calls"] == 3 and st["graph_calls"] == 0
     assert st["chunks"] >= 3 * n  # every device ran each call's blocks (more while settling)
-    assert st["rows"] == 3 * 1000
+    assert st["rows"] == 3 * N
     # Shared parameters (mu, tau[5], sigma: 7 float64) go to every device; the
-    # per-row parameters u (1000 float64) are split, sent once.
-    assert st["bytes_sent"] == 3 * (7 * 8 * n + 1000 * 8)
+    # per-row parameters u (N float64) are split, sent once.
+    assert st["bytes_sent"] == 3 * (7 * 8 * n + N * 8)
     assert st["seconds_in_workers"] > 0
     assert host["closed_repr"].endswith("dispatch='host', closed)")
 
 
 def test_auto_keeps_small_work_in_place():
-    # 1000 rows take far less than the callback would: auto runs the block loop in the
+    # 31,000 rows take far less than the callback would: auto evaluates the blocks in the
     # caller's program on its own device, as SerialExecutor does.
     auto = two_devices()["auto"]
     assert auto["site_dispatch"] == ["graph"] and auto["site_devices"] == [1]
@@ -132,11 +134,11 @@ def test_graph_mode_stats_count_block_runs_rows_and_parameter_bytes():
     n, graph = run["devices"], run["graph"]
     st = graph["stats_3_calls"]
     assert st["calls"] == st["graph_calls"] == 3 and st["host_calls"] == 0
-    # 15 full blocks and a tail of 40 rows over n devices: every device is busy.
+    # 16 blocks (the last padded) over n devices: every device is busy.
     assert st["chunks"] == 3 * n
-    assert st["rows"] == 3 * 1000
-    assert st["bytes_sent"] == 3 * (7 * 8 * n + 1000 * 8)
-    per_device = -(-15 // n) * 64 + 40
+    assert st["rows"] == 3 * N
+    assert st["bytes_sent"] == 3 * (7 * 8 * n + N * 8)
+    per_device = -(-16 // n) * BLOCK_ROWS
     assert st["chunk_rows"] == [per_device]
     assert graph["site_devices"] == [n]
     assert graph["closed_repr"].endswith("dispatch='graph', closed)")
@@ -144,8 +146,8 @@ def test_graph_mode_stats_count_block_runs_rows_and_parameter_bytes():
 
 def test_graph_layout_is_even():
     n, layout = 2, two_devices()["graph"]["layout"]
-    assert sum(layout) == 16  # 15 full blocks and the tail, on the last device
-    assert layout[0] == -(-15 // n)
+    assert sum(layout) == 16  # 15 full blocks and the padded tail, the tail on the last device
+    assert layout[0] == -(-16 // n)
     assert max(layout) - min(layout) <= 1
 
 

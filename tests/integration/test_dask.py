@@ -35,8 +35,10 @@ pytestmark = pytest.mark.dask
 # Workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-N = 2000
-BLOCK_ROWS = 250
+#: 20 blocks in 2 tiles (9 and 11 blocks, tiles being at least 8,192 rows): one shard
+#: of the data per worker of the 2-worker clusters.
+N = 20_000
+BLOCK_ROWS = 1000
 
 
 def _cluster(**kw):

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
-from parallel_backend.blocks import plan_blocks
+from parallel_backend.blocks import plan_blocks, plan_tiles
 from parallel_backend.chunking import AdaptiveChunker
 
-BLOCK_ROWS = 256
+N = 32_768
+BLOCK_ROWS = 2048
+#: Rows of one tile, the smallest run of blocks a chunk holds (4 blocks on up to 4 cores).
+TILE_ROWS = plan_tiles(plan_blocks(N, BLOCK_ROWS)).tile_blocks * BLOCK_ROWS
 STATS_KEYS = {"calls", "chunks", "rows", "seconds_in_workers", "bytes_sent"}
 
 
@@ -25,7 +28,7 @@ def gaussian(x, mu):
 
 @pytest.fixture
 def x():
-    return jnp.linspace(-2.0, 2.0, 1000)
+    return jnp.linspace(-2.0, 2.0, N)
 
 
 def jitted_value_and_grad(x, **kwargs):
@@ -42,7 +45,7 @@ def test_stats_count_evaluations_not_traces(executor, x):
     assert STATS_KEYS <= set(stats)
     assert all(stats[k] == 0 for k in STATS_KEYS)
 
-    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS, grainsize=BLOCK_ROWS)
+    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS, grainsize=TILE_ROWS)
     for mu in [0.1, 0.2, 0.3]:
         jax.block_until_ready(f(mu))
     after = executor.stats()
@@ -54,9 +57,9 @@ def test_stats_count_evaluations_not_traces(executor, x):
     else:
         on_host = executor.dispatch == "host"
     if on_host:
-        # Four chunks of 256 rows (the last one 232) per evaluation.
+        # One chunk per tile per evaluation.
         assert (after["host_calls"], after["graph_calls"]) == (3, 0)
-        assert after["chunks"] == 3 * 4
+        assert after["chunks"] == 3 * (N // TILE_ROWS)
         assert after["seconds_in_workers"] > 0
         assert after["bytes_sent"] > 0
     else:
@@ -158,7 +161,7 @@ def test_close_leaves_no_thread(x, workers):
     before = worker_threads()
     with pb.ThreadExecutor(workers, dispatch="host") as ex:
         jax.block_until_ready(jitted_value_and_grad(x, executor=ex, block_rows=BLOCK_ROWS,
-                                                    grainsize=BLOCK_ROWS)(0.5))
+                                                    grainsize=TILE_ROWS)(0.5))
         assert len(worker_threads() - before) >= 2  # the pool really ran
     assert worker_threads() == before
     ex.close()  # idempotent
@@ -195,7 +198,7 @@ def test_unknown_dispatch():
 
 def test_one_executor_serves_concurrent_callers(fresh_executor, x):
     executor = fresh_executor("thread2-host")
-    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS, grainsize=BLOCK_ROWS)
+    f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS, grainsize=TILE_ROWS)
     mus = np.linspace(-1.0, 1.0, 4)
     expected = {mu: jax.value_and_grad(lambda m: gaussian(x, m).sum())(mu) for mu in mus}
     results, errors = {mu: [] for mu in mus}, []
@@ -230,13 +233,13 @@ def test_one_executor_serves_concurrent_callers(fresh_executor, x):
 
 
 def trace_counts(executor):
-    return [dict(site.traces) for site in executor._sites.values()]
+    return [dict(site.traces) for site in executor.sites()]
 
 
 @pytest.mark.parametrize("executor", ["serial", "serial-host", "thread2-host"], indirect=True)
 def test_chunk_function_traced_once_per_shape(executor, x):
     f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS,
-                              grainsize=2 * BLOCK_ROWS)
+                              grainsize=2 * TILE_ROWS)
     mus = jnp.linspace(-1.0, 1.0, 11)  # one argument type: the outer jit traces once
     jax.block_until_ready(f(mus[0]))
     first = trace_counts(executor)
@@ -256,9 +259,9 @@ def test_host_chunks_compiled_once_across_traces(executor, x):
     same call site reuses the compiled chunk functions."""
     for mu in np.linspace(-1.0, 1.0, 5):
         f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS,
-                                  grainsize=2 * BLOCK_ROWS)  # a new jit: a new trace
+                                  grainsize=2 * TILE_ROWS)  # a new jit: a new trace
         jax.block_until_ready(f(mu))
-    assert len(executor._sites) == 1
+    assert len(executor.sites()) == 1
     (counts,) = trace_counts(executor)
     assert set(counts.values()) == {1}, counts
 
@@ -267,7 +270,7 @@ def test_host_chunks_compiled_once_across_traces(executor, x):
 def test_changing_chunk_plan_reuses_compiled_shapes(executor, x):
     """One chunk per call runs on the calling thread, several run on the pool; the same
     chunk shape must not be compiled again for either (the adaptive chunker does both)."""
-    for grainsize in [2 * BLOCK_ROWS, x.shape[0], 2 * BLOCK_ROWS, x.shape[0]]:
+    for grainsize in [2 * TILE_ROWS, x.shape[0], 2 * TILE_ROWS, x.shape[0]]:
         f = jitted_value_and_grad(x, executor=executor, block_rows=BLOCK_ROWS,
                                   grainsize=grainsize)
         jax.block_until_ready(f(0.5))
@@ -311,11 +314,11 @@ def test_adaptive_chunker_grows_chunks_when_overhead_dominates():
 
 @pytest.mark.parametrize("executor", ["thread2-host"], indirect=True)
 def test_adaptive_chunking_settles_with_few_shapes(executor):
-    x = jnp.linspace(-2.0, 2.0, 4096)
-    f = jitted_value_and_grad(x, executor=executor, block_rows=128)  # 32 blocks
+    x = jnp.linspace(-2.0, 2.0, 65_536)
+    f = jitted_value_and_grad(x, executor=executor, block_rows=512)  # 128 blocks, 8 tiles
     for mu in np.linspace(-1.0, 1.0, 12):
         jax.block_until_ready(f(mu))
-    (site,) = executor._sites.values()
+    (site,) = executor.sites()
     assert site.chunker.settled
     settled = site.chunker.blocks_per_chunk
     counts_then = dict(site.traces)
@@ -324,7 +327,7 @@ def test_adaptive_chunking_settles_with_few_shapes(executor):
     assert site.chunker.blocks_per_chunk == settled
     assert dict(site.traces) == counts_then
     assert len(site.traces) <= 4, site.traces  # a handful of compiled chunk shapes
-    assert executor.stats()["chunk_rows"] == [settled * 128]
+    assert executor.stats()["chunk_rows"] == [settled * 512]
 
 
 # -- import weight ---------------------------------------------------------------------------

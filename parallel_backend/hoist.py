@@ -1,0 +1,234 @@
+"""Hoisting: the part of ``fn`` that depends on the data alone, computed once.
+
+Plain NumPyro closes over concrete data, so XLA folds every data-only
+subexpression of the log-density (``gammaln(y + 1)`` in a negative binomial, say)
+into a constant at compile time and never computes it again. A ``reduce_sum``
+block cannot let XLA do that: the host path passes the data as a runtime input,
+where nothing is folded, and the two paths must give the same bits. So this
+module does the folding itself, the same way for every path: it splits the
+jaxpr of ``fn`` on one block into a *known* part (equations whose inputs are all
+resident data or constants) and an *unknown* part, evaluates the known part once
+per call site with one compiled program, and hands its results (the residuals)
+to every evaluation as data.
+
+Only work worth keeping is hoisted: a residual made by cheap data movement or
+arithmetic (a reshape, ``y + 1``) is recomputed instead of stored, and nothing is
+hoisted when the residuals would take more than ``MAX_RESIDUAL_RATIO`` times the
+memory of the data. The split depends only on the jaxpr, so every process makes
+the same one. Imports jax and numpy only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+from jax.extend.core import Literal
+
+__all__ = ["Split", "split_known", "evaluate_equations", "known_function", "unknown_function"]
+
+#: Primitives not worth a stored residual on their own: data movement and arithmetic
+#: that costs about as much as reading its result back from memory.
+CHEAP = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "ceil", "clamp", "concatenate", "convert_element_type",
+    "copy", "copy_p", "dynamic_slice", "eq", "expand_dims", "floor", "ge", "gt", "integer_pow",
+    "iota", "is_finite", "le", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pad",
+    "reshape", "rev", "round", "select_n", "sign", "slice", "square", "squeeze", "stop_gradient",
+    "sub", "transpose", "xor",
+})
+#: Primitives never hoisted: host code (a callback may fail, print or depend on state,
+#: and must run where and when the user's evaluation runs).
+HOST_CODE = frozenset({"pure_callback", "io_callback", "callback", "debug_callback",
+                       "custom_call", "ffi_call"})
+#: Residuals may take at most this many times the bytes of the block's resident data.
+MAX_RESIDUAL_RATIO = 2.0
+
+
+class Split(NamedTuple):
+    """The known/unknown split of one block's jaxpr.
+
+    Attributes
+    ----------
+    jaxpr : ClosedJaxpr
+        ``fn`` on one block: inputs are the resident leaves, the traced leaves and the
+        shared leaves, in that order; the output is the pointwise log-density.
+    n_resident, n_traced : int
+        How many inputs are resident data leaves and traced data leaves.
+    known : tuple of int
+        Indices (into ``jaxpr.jaxpr.eqns``) of the equations computed once.
+    unknown : tuple of int
+        Indices of the equations computed at every evaluation.
+    residuals : tuple
+        The variables of the known part that the unknown part reads (or returns).
+    raw : tuple of int
+        The resident leaves (by position) that the unknown part reads directly.
+    """
+
+    jaxpr: object
+    n_resident: int
+    n_traced: int
+    known: tuple
+    unknown: tuple
+    residuals: tuple
+    raw: tuple
+
+    @property
+    def hoisted(self) -> bool:
+        """Whether anything is computed once (otherwise the unknown part is all of ``fn``)."""
+        return bool(self.residuals)
+
+
+def _is_cheap(eqn) -> bool:
+    name = eqn.primitive.name
+    if name in CHEAP:
+        return True
+    if name in ("pjit", "jit", "closed_call", "custom_jvp_call"):
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        return inner is not None and all(_is_cheap(e) for e in inner.eqns)
+    return False
+
+
+def _runs_host_code(eqn) -> bool:
+    if eqn.primitive.name in HOST_CODE:
+        return True
+    return any(_runs_host_code(e) for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+               for e in sub.eqns)
+
+
+def _nbytes(var) -> int:
+    aval = var.aval
+    size = 1
+    for d in aval.shape:
+        size *= int(d)
+    return size * aval.dtype.itemsize
+
+
+def split_known(closed, n_resident: int, n_traced: int) -> Split:
+    """Split ``closed`` (``fn`` on one block) into the part computed once and the rest.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.scipy.special import gammaln
+    >>> def block(y, mu):                       # y resident, mu shared
+    ...     return y * jnp.log(mu) - mu - gammaln(y + 1.0)
+    >>> split = split_known(jax.make_jaxpr(block)(jnp.ones(8), 2.0), n_resident=1, n_traced=0)
+    >>> split.hoisted, [str(v.aval) for v in split.residuals]
+    (True, ['float32[8]'])
+    """
+    jaxpr = closed.jaxpr
+    eqns = jaxpr.eqns
+    resident = jaxpr.invars[:n_resident]
+    known_vars = set(resident) | set(jaxpr.constvars)
+    from_data = set(resident)  # known variables that depend on the data (not constants only)
+    is_known, on_data = [], []
+    for eqn in eqns:
+        ok = (not eqn.effects and not _runs_host_code(eqn)
+              and all(isinstance(v, Literal) or v in known_vars for v in eqn.invars))
+        is_known.append(ok)
+        on_data.append(ok and any(v in from_data for v in eqn.invars if not isinstance(v, Literal)))
+        if ok:
+            known_vars.update(eqn.outvars)
+        if on_data[-1]:
+            from_data.update(eqn.outvars)
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+
+    # Walk back from what the unknown part needs; a known cheap equation is moved to
+    # the unknown part (recomputed) and its own inputs become needed in turn.
+    moved = [False] * len(eqns)
+    needed = [v for i, e in enumerate(eqns) if not is_known[i] for v in e.invars
+              if not isinstance(v, Literal)]
+    needed += [v for v in jaxpr.outvars if not isinstance(v, Literal)]
+    residuals, seen = [], set()
+    while needed:
+        v = needed.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        i = producer.get(v)
+        if i is None or not is_known[i]:
+            continue  # an input, a constant, or made by the unknown part
+        # Constants alone are XLA's to fold, the same way in every program.
+        if _is_cheap(eqns[i]) or not on_data[i]:
+            if not moved[i]:
+                moved[i] = True
+                needed += [u for u in eqns[i].invars if not isinstance(u, Literal)]
+        else:
+            residuals.append(v)
+
+    def none() -> Split:
+        used = {v for e in eqns for v in e.invars if not isinstance(v, Literal)} | set(jaxpr.outvars)
+        raw = tuple(k for k, v in enumerate(resident) if v in used)
+        return Split(closed, n_resident, n_traced, (), tuple(range(len(eqns))), (), raw)
+
+    if not residuals:
+        return none()
+    block_bytes = sum(_nbytes(v) for v in resident) or 1
+    if sum(_nbytes(v) for v in residuals) > MAX_RESIDUAL_RATIO * block_bytes:
+        return none()
+    # The known part: only the known equations the residuals depend on.
+    wanted, stack = set(), list(residuals)
+    while stack:
+        v = stack.pop()
+        i = producer.get(v)
+        if i is None or i in wanted or not is_known[i]:
+            continue
+        wanted.add(i)
+        stack += [u for u in eqns[i].invars if not isinstance(u, Literal)]
+    unknown = tuple(i for i in range(len(eqns)) if not is_known[i] or moved[i])
+    reads = {v for i in unknown for v in eqns[i].invars if not isinstance(v, Literal)}
+    reads |= set(jaxpr.outvars)
+    raw = tuple(k for k, v in enumerate(resident) if v in reads)
+    # A residual read only by equations that were moved may have become unneeded.
+    residuals = tuple(sorted(set(residuals) & reads, key=lambda v: producer[v]))
+    if not residuals:
+        return none()
+    return Split(closed, n_resident, n_traced, tuple(sorted(wanted)), unknown, residuals, raw)
+
+
+def evaluate_equations(closed, indices, env: dict) -> dict:
+    """Bind the equations ``indices`` of ``closed`` in order, reading and writing ``env``
+    (variable -> value); as ``jax.core.eval_jaxpr`` does, but for a subset."""
+    eqns = closed.jaxpr.eqns
+    for i in indices:
+        eqn = eqns[i]
+        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*invals, **params)
+        outs = out if eqn.primitive.multiple_results else (out,)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return env
+
+
+def known_function(split: Split):
+    """``f(resident_leaves) -> residuals`` for one block."""
+
+    def known(resident):
+        jaxpr = split.jaxpr.jaxpr
+        env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
+        env.update(zip(jaxpr.invars[:split.n_resident], resident))
+        evaluate_equations(split.jaxpr, split.known, env)
+        return tuple(env[v] for v in split.residuals)
+
+    return known
+
+
+def unknown_function(split: Split):
+    """``f(raw_resident, residuals, traced, shared) -> pointwise`` for one block."""
+
+    def unknown(raw, residuals, traced, shared):
+        jaxpr = split.jaxpr.jaxpr
+        inv = jaxpr.invars
+        env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
+        env.update((inv[k], x) for k, x in zip(split.raw, raw))
+        env.update(zip(split.residuals, residuals))
+        env.update(zip(inv[split.n_resident:split.n_resident + split.n_traced], traced))
+        env.update(zip(inv[split.n_resident + split.n_traced:], shared))
+        evaluate_equations(split.jaxpr, split.unknown, env)
+        (out,) = jaxpr.outvars
+        return out.val if isinstance(out, Literal) else env[out]
+
+    return unknown

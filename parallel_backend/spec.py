@@ -1,0 +1,373 @@
+"""A ``reduce_sum`` call site: its immutable description and the block computations.
+
+This module owns :class:`SiteSpec`, the picklable description of one call site
+(``fn``, tree structures, which data leaves are traced, the block and tile plans,
+the evaluation form, precision), and :class:`Program`, what a spec computes in one
+process: the hoisted split of ``fn`` (:mod:`.hoist`), the data prepared once per
+site (padded into blocks, with the residuals), and the pure functions that turn
+blocks into per-block partials. Imports jax, numpy and the core's blocks and
+hoist modules.
+
+Two evaluation forms, chosen from ``fn`` alone (never from a timing):
+
+* ``"batched"``: the blocks of a tile, or of every tile at once, in one ``vmap``;
+  XLA threads it as it threads plain NumPyro. Per-block partials are the same bits
+  for any batch of whole tiles (see :mod:`.blocks`).
+* ``"looped"``: one block per iteration of a ``while`` loop whose body is the same
+  everywhere, chosen when ``fn`` itself loops (a ``scan``, as in an HMM's forward
+  algorithm): a block's working set then stays in cache, which measured faster
+  than any batch. Bitwise the same for any run of blocks by construction.
+
+Every block has ``block_rows`` rows; the last is padded with copies of the last
+row, and a mask keeps the padding out of the value and of every gradient.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .blocks import BlockPlan, TilePlan, tree_sum
+from .hoist import Split, known_function, split_known, unknown_function
+
+__all__ = ["SiteSpec", "Program", "Partials", "detect_form", "combine", "pad_blocks",
+           "host_device"]
+
+FORMS = ("batched", "looped")
+#: Primitives that make ``fn`` a loop of its own (so blocks run best one at a time).
+LOOPS = frozenset({"scan", "while"})
+
+
+class SiteSpec(NamedTuple):
+    """The static description of one ``reduce_sum`` call site (picklable with cloudpickle).
+
+    Attributes
+    ----------
+    fn : callable
+        ``fn(data_chunk, *shared) -> (rows,)``.
+    data_treedef, shared_treedef : PyTreeDef
+        Structure of ``data`` and of the tuple ``shared``.
+    traced : tuple of bool
+        Per data leaf: ``True`` for a traced leaf (a per-row parameter, sent at every
+        evaluation), ``False`` for resident data (concrete when traced; prepared once).
+    row_avals : tuple of (tuple, str)
+        Per data leaf: the shape of one row and the dtype.
+    shared_avals : tuple of (tuple, str)
+        Per shared leaf: shape and dtype.
+    plan : BlockPlan
+        How the rows are cut into blocks.
+    tiles : TilePlan
+        How blocks are grouped into tiles, the smallest unit any executor evaluates.
+    form : {"batched", "looped"}
+        How a run of blocks is evaluated (see the module docstring).
+    value_dtype : str
+        dtype of ``fn``'s output.
+    x64 : bool
+        The caller's ``jax_enable_x64``: blocks run in the same precision everywhere.
+    label : str
+        ``fn``'s name, for messages.
+    """
+
+    fn: Any
+    data_treedef: Any
+    shared_treedef: Any
+    traced: tuple
+    row_avals: tuple
+    shared_avals: tuple
+    plan: BlockPlan
+    tiles: TilePlan
+    form: str
+    value_dtype: str
+    x64: bool
+    label: str
+
+    @property
+    def n_traced(self) -> int:
+        return sum(self.traced)
+
+    def block_struct(self):
+        """Shapes of one block's resident leaves, traced leaves and shared leaves."""
+        rows = self.plan.block_rows
+
+        def struct(shape, dtype):
+            return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+        data = [struct((rows, *s), d) for s, d in self.row_avals]
+        resident = [x for x, t in zip(data, self.traced) if not t]
+        traced = [x for x, t in zip(data, self.traced) if t]
+        shared = [struct(s, d) for s, d in self.shared_avals]
+        return resident, traced, shared
+
+    def block_fn(self):
+        """``f(resident, traced, shared) -> (block_rows,)``: ``fn`` on one block's leaves."""
+        spec = self
+
+        def f(resident, traced, shared):
+            it_r, it_t = iter(resident), iter(traced)
+            leaves = [next(it_t) if t else next(it_r) for t in spec.traced]
+            data = jax.tree_util.tree_unflatten(spec.data_treedef, leaves)
+            args = jax.tree_util.tree_unflatten(spec.shared_treedef, list(shared))
+            return jnp.asarray(spec.fn(data, *args)).astype(spec.value_dtype)
+
+        return f
+
+    def rows(self, first_block: int, count: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of blocks ``[first_block, first_block + count)``."""
+        p = self.plan
+        return p.block_range(first_block)[0], p.block_range(first_block + count - 1)[1]
+
+
+def detect_form(closed) -> str:
+    """``"looped"`` when the jaxpr holds a loop (``scan``/``while``), else ``"batched"``."""
+
+    def loops(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in LOOPS:
+                return True
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                if loops(sub):
+                    return True
+        return False
+
+    return "looped" if loops(closed.jaxpr) else "batched"
+
+
+class Partials(NamedTuple):
+    """Per-block partials of a run of blocks (leading axes: any batch, then blocks).
+
+    Attributes
+    ----------
+    values : array
+        ``(*batch, blocks)``: each block's summed log-density.
+    shared_grads : tuple
+        Per differentiated shared leaf, ``(*batch, blocks, *leaf_shape)``.
+    data_grads : tuple
+        Per differentiated traced data leaf, ``(*batch, blocks, block_rows, *row_shape)``.
+    """
+
+    values: Any
+    shared_grads: tuple
+    data_grads: tuple
+
+
+def combine(values, shared_grads, data_grads):
+    """Fold per-block partials in block order: the one place partials meet."""
+    return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
+
+
+def pad_blocks(x, plan: BlockPlan, axis: int = 0, xp=np):
+    """Rows of ``x`` on ``axis`` padded (copies of the last row) to whole blocks and
+    reshaped to ``(blocks, block_rows)`` there. ``xp`` is numpy or jax.numpy."""
+    n, rows = plan.n_rows, plan.block_rows
+    total = plan.n_blocks * rows
+    if total > n:
+        last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is jnp else x.take([n - 1], axis=axis)
+        shape = list(x.shape)
+        shape[axis] = total - n
+        x = xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
+    shape = x.shape[:axis] + (plan.n_blocks, rows) + x.shape[axis + 1:]
+    return x.reshape(shape)
+
+
+class Program:
+    """What a :class:`SiteSpec` computes, traced in this process.
+
+    Holds the hoisted split of ``fn`` and the functions over blocks. Pure functions
+    only cross ``jit``; the compiled host functions are cached here per shape.
+    """
+
+    def __init__(self, spec: SiteSpec):
+        self.spec = spec
+        resident, traced, shared = spec.block_struct()
+        with jax.enable_x64(spec.x64):
+            closed = jax.make_jaxpr(spec.block_fn())(resident, traced, shared)
+        self.split: Split = split_known(closed, len(resident), len(traced))
+        self._known = known_function(self.split)
+        self._unknown = unknown_function(self.split)
+        plan = spec.plan
+        valid = np.full(plan.n_blocks, plan.block_rows, np.int32)
+        if plan.n_blocks:
+            valid[-1] = plan.n_rows - (plan.n_blocks - 1) * plan.block_rows
+        #: Real (unpadded) rows of each block.
+        self.valid = valid
+        #: (kind, blocks) -> times traced: a compiled shape is traced once.
+        self.traces = Counter()
+        self._lock = threading.Lock()
+        self._compiled: dict = {}
+
+    # -- data, once per site -----------------------------------------------------
+
+    def prepare(self, resident_leaves) -> tuple:
+        """Resident data as the evaluations read it: numpy arrays ``(blocks, block_rows, ...)``,
+        first the resident leaves ``fn`` reads directly, then the hoisted residuals."""
+        plan = self.spec.plan
+        with jax.enable_x64(self.spec.x64), jax.default_device(host_device()):
+            blocks = [pad_blocks(np.asarray(x), plan) for x in resident_leaves]
+            raw = tuple(blocks[k] for k in self.split.raw)
+            if not self.split.hoisted:
+                return raw
+            try:
+                residuals = jax.jit(jax.vmap(self._known))(blocks)
+            except Exception:  # noqa: BLE001 - not batchable: one block at a time
+                residuals = jax.jit(lambda b: lax.map(self._known, b))(blocks)
+            return raw + tuple(np.asarray(r) for r in residuals)
+
+    @property
+    def n_raw(self) -> int:
+        return len(self.split.raw)
+
+    # -- one block, and runs of blocks --------------------------------------------
+
+    def _block(self, prepared, traced, shared, valid, diff_traced, diff_shared) -> Partials:
+        """One block's partials: its masked value, shared gradients, per-row gradients."""
+        rows = self.spec.plan.block_rows
+        raw, residuals = prepared[:self.n_raw], prepared[self.n_raw:]
+        mask = jnp.arange(rows) < valid
+
+        if not (any(diff_traced) or any(diff_shared)):
+            pointwise = self._unknown(raw, residuals, traced, shared)
+            return Partials(jnp.sum(jnp.where(mask, pointwise, 0)), (), ())
+        td = [t for t, d in zip(traced, diff_traced) if d]
+        sd = [s for s, d in zip(shared, diff_shared) if d]
+
+        def terms(td, sd):
+            return self._unknown(raw, residuals, _merge(traced, td, diff_traced),
+                                 _merge(shared, sd, diff_shared))
+
+        # The gradient of a sum is the pullback of ones; padded rows pull back zeros.
+        pointwise, pullback = jax.vjp(terms, td, sd)
+        gt, gs = pullback(mask.astype(pointwise.dtype))
+        return Partials(jnp.sum(jnp.where(mask, pointwise, 0)), tuple(gs), tuple(gt))
+
+    def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared) -> Partials:
+        """Every block of the given arrays (leading axis: blocks) in one ``vmap``."""
+        self.traces[("batched", int(valid.shape[0]))] += 1
+
+        def one(p, t, v):
+            return self._block(p, t, shared, v, diff_traced, diff_shared)
+
+        return jax.vmap(one)(tuple(prepared), tuple(traced), valid)
+
+    def looped(self, prepared, traced, shared, valid, first, count, length,
+               diff_traced, diff_shared) -> Partials:
+        """Blocks ``[first, first + count)`` of ``prepared`` one per loop iteration (``traced``
+        and ``valid`` hold only those blocks), written to buffers of ``length`` blocks."""
+        self.traces[("looped", int(length))] += 1
+        rows = self.spec.plan.block_rows
+        dtype = np.dtype(self.spec.value_dtype)
+        values = jnp.zeros((length,), dtype)
+        g_shared = tuple(jnp.zeros((length,) + jnp.shape(s), jnp.result_type(s))
+                         for s, d in zip(shared, diff_shared) if d)
+        g_data = tuple(jnp.zeros((length, rows) + jnp.shape(t)[2:], jnp.result_type(t))
+                       for t, d in zip(traced, diff_traced) if d)
+
+        def body(i, carry):
+            values, g_shared, g_data = carry
+            p = tuple(lax.dynamic_index_in_dim(x, first + i, keepdims=False) for x in prepared)
+            t = tuple(lax.dynamic_index_in_dim(x, i, keepdims=False) for x in traced)
+            v = lax.dynamic_index_in_dim(valid, i, keepdims=False)
+            out = self._block(p, t, shared, v, diff_traced, diff_shared)
+            return (values.at[i].set(out.values),
+                    tuple(a.at[i].set(g) for a, g in zip(g_shared, out.shared_grads)),
+                    tuple(a.at[i].set(g) for a, g in zip(g_data, out.data_grads)))
+
+        return Partials(*lax.fori_loop(0, count, body, (values, g_shared, g_data)))
+
+    # -- the graph path: all blocks inside the caller's program --------------------
+
+    def graph_partials(self, prepared, traced, shared, diff_traced, diff_shared):
+        """Partials of every block inside the caller's XLA program: per-block values
+        and shared gradients, per-row data gradients (``N`` rows).
+
+        A nested ``jit``: inside the caller's ``jit`` it is inlined; called eagerly it is
+        still compiled as one program (op-by-op execution would round differently).
+        """
+        return self._graph_fn(tuple(diff_traced), tuple(diff_shared))(
+            tuple(prepared), tuple(traced), tuple(shared))
+
+    def _graph_fn(self, diff_traced, diff_shared):
+        key = ("graph", diff_traced, diff_shared)
+        fn = self._compiled.get(key)
+        if fn is not None:
+            return fn
+        plan = self.spec.plan
+
+        def graph(prepared, traced, shared):
+            traced = tuple(pad_blocks(t, plan, xp=jnp) for t in traced)
+            # The barrier makes the inputs as opaque as they are to a host program: XLA may
+            # neither fold the data into fn's code nor fuse the caller's computation of a
+            # parameter (exp(log_sigma), say) into a block, either of which would change
+            # the rounding.
+            prepared, traced, shared, valid = lax.optimization_barrier(
+                (prepared, traced, shared, jnp.asarray(self.valid)))
+            if self.spec.form == "batched":
+                out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared)
+            else:
+                first, count = lax.optimization_barrier((jnp.int32(0), jnp.int32(plan.n_blocks)))
+                out = self.looped(prepared, traced, shared, valid, first, count, plan.n_blocks,
+                                  diff_traced, diff_shared)
+            # ...and on the way out: the caller's use of the partials is not fused into them.
+            out = lax.optimization_barrier(out)
+            return out.values, out.shared_grads, tuple(_unblock(g, plan) for g in out.data_grads)
+
+        fn = jax.jit(graph)
+        with self._lock:
+            return self._compiled.setdefault(key, fn)
+
+    # -- the host path: compiled functions of whole tiles ---------------------------
+
+    def compiled(self, blocks: int, diff_traced, diff_shared, in_axes):
+        """The jitted evaluation of ``blocks`` blocks (one or more whole tiles), cached.
+
+        ``batched``: ``f(prepared, traced, shared, valid)`` on arrays of exactly those
+        blocks. ``looped``: ``f(prepared, traced, shared, valid, first, count)`` where
+        ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the vmap
+        axes of ``(traced, shared)`` under a batch of parameter sets, or ``None``.
+        """
+        key = (blocks, diff_traced, diff_shared, in_axes)
+        fn = self._compiled.get(key)
+        if fn is not None:
+            return fn
+        if self.spec.form == "batched":
+            def run(prepared, traced, shared, valid):
+                return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared)
+            axes = (None, 0, 0, None)
+        else:
+            def run(prepared, traced, shared, valid, first, count):
+                return self.looped(prepared, traced, shared, valid, first, count, blocks,
+                                   diff_traced, diff_shared)
+            axes = (None, 0, 0, None, None, None)
+        if in_axes is not None:
+            axes = (None, in_axes[0], in_axes[1]) + axes[3:]
+            run = jax.vmap(run, in_axes=axes)
+        fn = jax.jit(run)
+        with self._lock:
+            return self._compiled.setdefault(key, fn)
+
+
+def _merge(full, subset, mask):
+    it = iter(subset)
+    return tuple(next(it) if m else x for x, m in zip(full, mask))
+
+
+def _unblock(g, plan: BlockPlan):
+    """``(*batch, blocks, block_rows, *rest)`` per-row gradients back to ``(*batch, N, *rest)``.
+    In the graph (unbatched here: vmap adds batch axes outside)."""
+    g = g.reshape((g.shape[0] * g.shape[1],) + g.shape[2:])
+    return g[:plan.n_rows]
+
+
+_HOST = []
+
+
+def host_device():
+    """The CPU device on which host-path chunks run (looked up once: it is on the hot path)."""
+    if not _HOST:
+        _HOST.append(jax.devices("cpu")[0])
+    return _HOST[0]

@@ -1,0 +1,123 @@
+"""Getting and keeping a dask cluster: connecting, starting a local one, knowing who is alive.
+
+This module owns the cluster side of a
+:class:`~parallel_backend.plugins.dask.DaskExecutor`: :func:`connect` (to a running
+scheduler, with an error that says what to check), :func:`local_cluster` (worker
+processes on this machine, each told how many XLA threads to use), and
+:class:`Liveness` (the workers last seen, those that failed us recently, waiting
+for one to come back). Imports distributed and the core's interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+
+from distributed import Client, LocalCluster
+
+from parallel_backend.extend import cpu_count
+
+from .protocol import QUARANTINE_SECONDS
+
+__all__ = ["connect", "local_cluster", "Liveness", "worker_env"]
+
+#: Eigen's own thread pool off on workers: the worker's threads are the parallelism.
+XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+
+
+def worker_env(threads: int) -> dict:
+    """Environment for a worker process of ``threads`` threads on a machine shared with
+    others: XLA's thread pool sized to this worker's share of the cores (``NPROC``)."""
+    return {"XLA_FLAGS": XLA_FLAGS, "NPROC": str(max(1, threads))}
+
+
+def connect(address: str, timeout: float) -> Client:
+    """A client of the scheduler at ``address``."""
+    if not isinstance(address, str) or "://" not in address and ":" not in address:
+        raise ValueError(f"DaskExecutor: address must look like 'tcp://host:port', got {address!r}")
+    try:
+        return Client(address, timeout=timeout)
+    except (OSError, TimeoutError, asyncio.TimeoutError) as e:
+        raise ConnectionError(f"DaskExecutor: no dask scheduler answered at {address!r} within "
+                              f"{timeout:g} s ({type(e).__name__}: {e}). Is `dask scheduler` "
+                              "running there, and is the address (and tls:// for a secured "
+                              "cluster) right?") from e
+
+
+def local_cluster(n_workers, threads_per_worker) -> LocalCluster:
+    """Worker processes on 127.0.0.1: by default one per core, one thread each."""
+    cores = cpu_count()
+    if n_workers is None:
+        n_workers = cores
+    for name, v in (("n_workers", n_workers), ("threads_per_worker", threads_per_worker)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"DaskExecutor: {name} must be a positive int, got {v!r}")
+    try:
+        import bokeh  # noqa: F401 - the dashboard needs it
+        dashboard = "127.0.0.1:0"
+    except ImportError:
+        dashboard = None
+    xla_threads = max(1, cores // n_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "port in use, using another" and the like
+        return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                            processes=True, host="127.0.0.1", dashboard_address=dashboard,
+                            env=worker_env(xla_threads))
+
+
+class Liveness:
+    """The workers of a cluster as last seen, less those that failed recently."""
+
+    def __init__(self, client, timeout: float, nthreads: dict):
+        self.client = client
+        self.timeout = timeout
+        self.nthreads = dict(nthreads)
+        self.failures = 0
+        self._quarantine: dict = {}  # address -> time it failed
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.client.scheduler.address
+
+    def lose(self, address: str) -> None:
+        """``address`` did not answer: keep it out of the rotation for a while."""
+        self._quarantine[address] = time.monotonic()
+        self.failures += 1
+
+    async def alive(self) -> dict:
+        """Workers the scheduler lists now, less those that just failed us."""
+        info = await self.client.scheduler.identity()
+        now = time.monotonic()
+        self._quarantine = {a: t for a, t in self._quarantine.items()
+                            if now - t < QUARANTINE_SECONDS}
+        alive = {a: w.get("nthreads", 1) for a, w in info.get("workers", {}).items()
+                 if a not in self._quarantine}
+        if alive:
+            self.nthreads = alive
+        return alive
+
+    async def wait(self) -> dict:
+        """Workers alive now; waits up to ``timeout`` for one to (re)appear."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            alive = await self.alive()
+            if alive:
+                return alive
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"DaskExecutor: no workers left in the cluster at {self.scheduler_address} "
+                    f"(waited {self.timeout:g} s for one to come back); the evaluation cannot go "
+                    "on. Start workers, or use another executor.")
+            await asyncio.sleep(0.1)
+
+
+def wait_for_workers(client, timeout: float) -> dict:
+    """``{address: threads}`` once at least one worker is there, or a clear error."""
+    try:
+        client.wait_for_workers(1, timeout=timeout)
+    except (TimeoutError, asyncio.TimeoutError) as e:
+        address = client.scheduler.address
+        raise TimeoutError(f"DaskExecutor: the cluster at {address} has no workers (waited "
+                           f"{timeout:g} s); start some with `dask worker {address}`") from e
+    return dict(client.nthreads())

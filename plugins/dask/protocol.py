@@ -1,0 +1,44 @@
+"""The messages between a :class:`~parallel_backend.plugins.dask.DaskExecutor` and its workers.
+
+The client calls two functions on a worker directly (dask's ``run`` handler on a
+pooled connection, not the scheduler's task stream, which adds about 10 ms per
+round trip): :func:`~.worker.evaluate` with the traced values of some chunks, and
+:func:`~.worker.install` with a call site's spec and pieces of its data. Both answer
+with a :class:`Reply`. This module owns the reply and the retry limits; it imports
+the core's interface only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = ["Reply", "OK", "MISSING", "ERROR", "GONE", "INSTALL_ATTEMPTS", "MAX_ROUNDS",
+           "QUARANTINE_SECONDS"]
+
+OK, MISSING, ERROR, GONE = "ok", "missing", "error", "gone"
+#: Times a worker is sent a call site's data before it counts as gone.
+INSTALL_ATTEMPTS = 3
+#: Rounds of re-assigning chunks after worker failures before an evaluation gives up.
+MAX_ROUNDS = 8
+#: How long a worker address that failed is kept out of the rotation.
+QUARANTINE_SECONDS = 60.0
+
+
+class Reply(NamedTuple):
+    """A worker's answer.
+
+    Attributes
+    ----------
+    status : {"ok", "missing", "error", "gone"}
+        ``ok``: ``results`` holds the chunk results; ``missing``: the worker needs
+        the spec (``need_spec``) or data pieces (``need_shards``) first; ``error``:
+        ``fn`` raised (``error``, a ``ChunkError``); ``gone``: the worker has no state
+        for this executor (restarted), ``detail`` says which.
+    """
+
+    status: str
+    results: Any = None
+    need_spec: bool = False
+    need_shards: tuple = ()
+    error: Any = None
+    detail: str = ""
