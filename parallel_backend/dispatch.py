@@ -32,24 +32,24 @@ SLOW_ROUNDS = 3
 SLOW_SECONDS = 0.1
 
 
-def decide(executor, state, grainsize, data_leaves, shared_leaves) -> str:
-    """``"graph"`` or ``"host"`` for ``state``'s call site on ``executor``.
+def decide(executor, state, grainsize, data_leaves, shared_leaves):
+    """``("graph" or "host", timing)`` for ``state``'s call site on ``executor``.
 
     With ``dispatch="auto"``: small work, one worker or one tile stays in the graph;
     otherwise every option is timed (see :func:`calibrate`) and the host path is
     chosen only when it clearly beats both the graph and plain NumPyro's own form.
+    ``timing`` is what was measured (``None`` when nothing was).
     """
     if executor.dispatch != "auto":
-        return executor.dispatch
+        return executor.dispatch, None
     if executor.workers < 2 or state.spec.tiles.n_tiles < 2:
-        return "graph"
+        return "graph", None
     # Measure on a thread of its own: this runs while the caller's jit is tracing,
     # and on this thread every jax operation would be staged into that trace.
     with ThreadPoolExecutor(1, thread_name_prefix="parallel_backend_calibrate") as pool:
         timing = pool.submit(calibrate, executor, state, grainsize, data_leaves,
                              shared_leaves).result()
-    state.timing = timing
-    return choose(timing)
+    return choose(timing), timing
 
 
 def choose(timing: dict) -> str:

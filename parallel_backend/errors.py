@@ -1,8 +1,38 @@
-"""Exceptions of parallel_backend."""
+"""Exceptions of parallel_backend, and the one check of count arguments.
+
+Imports the standard library and numpy only.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ChunkError"]
+import numbers
+
+__all__ = ["ChunkError", "check_count"]
+
+
+def check_count(value, name: str, where: str, *, least: int = 1, none_ok: bool = False,
+                what: str = ""):
+    """``value`` as an ``int >= least`` (or ``None`` where allowed), else an error that
+    names the caller, the argument and the value: ``TypeError`` for a value that is not
+    an int, ``ValueError`` for one that is too small.
+
+    Examples
+    --------
+    >>> check_count(3, "workers", "ThreadExecutor")
+    3
+    >>> check_count(0, "workers", "ThreadExecutor")
+    Traceback (most recent call last):
+    ...
+    ValueError: ThreadExecutor: workers must be an int >= 1, got 0
+    """
+    if value is None and none_ok:
+        return None
+    expected = f"an int >= {least}" + (" or None" if none_ok else "") + (f" ({what})" if what else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {name} must be {expected}, got {value!r}")
+    if value < least:
+        raise ValueError(f"{where}: {name} must be {expected}, got {value!r}")
+    return int(value)
 
 
 class ChunkError(RuntimeError):
@@ -21,25 +51,28 @@ class ChunkError(RuntimeError):
         The original message.
     rows : tuple[int, int]
         The chunk's rows ``[start, stop)``.
+    fn_name : str
+        The name of ``fn``.
     executor : str
         Name of the executor that ran the chunk.
     """
 
-    def __init__(self, exc_type: str, message: str, rows: tuple, site: str, executor: str = "?"):
+    def __init__(self, exc_type: str, message: str, rows: tuple, fn_name: str,
+                 executor: str = "?"):
         self.exc_type, self.message, self.rows = exc_type, message, tuple(rows)
-        self.site, self.executor = site, executor
+        self.fn_name, self.executor = fn_name, executor
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        return (f"{self.exc_type}: {self.message} (raised by fn {self.site!r} on rows "
+        return (f"{self.exc_type}: {self.message} (raised by fn {self.fn_name!r} on rows "
                 f"[{self.rows[0]}, {self.rows[1]}) on executor {self.executor!r})")
 
     def __reduce__(self):
-        return type(self), (self.exc_type, self.message, self.rows, self.site, self.executor)
+        return type(self), (self.exc_type, self.message, self.rows, self.fn_name, self.executor)
 
     @classmethod
-    def wrap(cls, exc: BaseException, rows, site: str, executor: str = "?") -> "ChunkError":
+    def wrap(cls, exc: BaseException, rows, fn_name: str, executor: str = "?") -> "ChunkError":
         """A ChunkError describing ``exc`` (a ChunkError is re-labelled, not nested)."""
         if isinstance(exc, ChunkError):
-            return cls(exc.exc_type, exc.message, exc.rows, exc.site, executor)
-        return cls(type(exc).__name__, str(exc), rows, site, executor)
+            return cls(exc.exc_type, exc.message, exc.rows, exc.fn_name, executor)
+        return cls(type(exc).__name__, str(exc), rows, fn_name, executor)

@@ -1,9 +1,9 @@
 """The interface for executor authors: everything a plugin may use from the core.
 
-An executor is a subclass of :class:`Executor` that evaluates chunks of a call
-site somewhere: on threads, on dask workers, on devices, on an MPI or Ray
-cluster. Plugins import from this module only (a test checks it), so the core
-can change behind it. See ``docs/executors.rst`` ("Write your own executor").
+An executor is a subclass of :class:`~parallel_backend.Executor` that evaluates
+chunks of a call site somewhere: on threads, on dask workers, on devices, on an MPI
+or Ray cluster. Plugins import from this module only (a test checks it), so the core
+can change behind it. See the page "Write your own executor" (``docs/extending.rst``).
 
 One host evaluation, as an executor sees it::
 
@@ -31,7 +31,7 @@ what keeps results bitwise the same on every executor.
 
 from .blocks import BlockPlan, TilePlan, cpu_count, row_bytes, xla_threads
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
-from .errors import ChunkError
+from .errors import ChunkError, check_count
 from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
 from .host import ChunkResult, Evaluation, run_chunk
@@ -43,4 +43,5 @@ __all__ = [
     "Chunk", "ChunkError", "BlockPlan", "TilePlan", "AdaptiveChunker",
     "run_chunk", "even_slots", "split_tiles", "chunks_within", "site_stats", "resolve_executor",
     "host_device", "run_eagerly", "pad_blocks", "cpu_count", "xla_threads", "row_bytes",
+    "check_count",
 ]

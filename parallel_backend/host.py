@@ -116,7 +116,6 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
     spec = program.spec
     ev = evaluation
     t0 = time.perf_counter()
-    axis = 1 if ev.in_axes is not None else 0
     try:
         # The same precision and device on every thread, so every thread hits the same
         # compiled function (a pure_callback's thread has a default device set).

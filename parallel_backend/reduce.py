@@ -17,7 +17,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from . import host
-from .blocks import TilePlan, plan_blocks, plan_tiles, row_bytes
+from .blocks import TilePlan, balance_blocks, plan_blocks, plan_tiles, row_bytes
+from .errors import check_count
 from .executors.registry import resolve_executor
 from .site import SiteState
 from .spec import SiteSpec, combine, detect_form
@@ -80,12 +81,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     """
     if not callable(fn):
         raise TypeError(f"reduce_sum: fn must be callable, got {type(fn).__name__}")
-    if grainsize is not None:
-        if isinstance(grainsize, bool) or not isinstance(grainsize, (int, np.integer)):
-            raise TypeError(f"reduce_sum: grainsize must be an int or None, got {grainsize!r}")
-        if grainsize < 1:
-            raise ValueError(f"reduce_sum: grainsize must be >= 1 (rows per chunk), got {grainsize}")
-        grainsize = int(grainsize)
+    grainsize = check_count(grainsize, "grainsize", "reduce_sum", none_ok=True,
+                            what="rows per chunk")
     _check_closure(fn)
 
     paths_leaves, data_treedef = jax.tree_util.tree_flatten_with_path(data)
@@ -117,20 +114,20 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
 
     def make():
         spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
-                         value_dtype, x64)
+                         value_dtype, x64, balance=block_rows is None)
         return SiteState(spec, resident, executor.workers)
 
     state = executor.site_state(key, make, resident)
-    if state.decision is None:
-        state.decision = executor.decide(state, grainsize, leaves, shared_leaves)
+    executor.route(state, grainsize, leaves, shared_leaves)
     traced = tuple(x for x in leaves if _is_traced(x))
     return _reduce(state, executor, grainsize)(traced, tuple(shared_leaves))
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
-              label=None) -> SiteSpec:
-    """The :class:`SiteSpec` of a call: which leaves are traced, the tile plan and the
-    evaluation form (from a trace of ``fn`` on one block)."""
+              label=None, balance=True) -> SiteSpec:
+    """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
+    a trace of ``fn`` on one block), the tile plan, and, for the batched form with the
+    default block size, blocks evened out so that the last block needs little padding."""
     traced = tuple(_is_traced(x) for x in leaves)
     row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
     shared_avals = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in shared_leaves)
@@ -144,7 +141,9 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         form = detect_form(jax.make_jaxpr(block)(resident, traced_s, shared_s))
         if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
             form = "looped"
-    return draft._replace(form=form, tiles=plan_tiles(plan, batched=form == "batched"))
+    if form == "batched" and balance:
+        plan = balance_blocks(plan)
+    return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 
 
 def _batchable(block, resident, traced, shared) -> bool:

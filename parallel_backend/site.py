@@ -134,6 +134,7 @@ class SiteState:
         self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
         self._resident_leaves = tuple(resident_leaves)
         self._lock = threading.Lock()
+        self._decide_lock = threading.Lock()
         self._program = None
         self._prepared = None
         self._host = None
@@ -141,6 +142,16 @@ class SiteState:
     @property
     def label(self) -> str:
         return self.spec.label
+
+    def deciding(self):
+        """Held while the executor decides where the site runs (concurrent traces wait)."""
+        return self._decide_lock
+
+    def settle(self, decision: str, timing=None) -> None:
+        """Record where the site runs (once) and what the decision measured."""
+        if decision not in ("graph", "host"):
+            raise ValueError(f"decision must be 'graph' or 'host', got {decision!r}")
+        self.decision, self.timing = decision, timing
 
     @property
     def program(self) -> Program:

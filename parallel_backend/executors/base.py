@@ -114,9 +114,18 @@ class Executor:
         """The call sites this executor holds, as :class:`SiteState` records."""
         return self._states.values()
 
-    def decide(self, state: SiteState, grainsize, data_leaves, shared_leaves) -> str:
-        """Where ``state``'s site runs: ``"graph"`` or ``"host"`` (see :mod:`.dispatch`)."""
+    def decide(self, state: SiteState, grainsize, data_leaves, shared_leaves):
+        """Where ``state``'s site should run, ``("graph" or "host", timing)``; see
+        :mod:`parallel_backend.dispatch`. Subclasses may override it."""
         return _dispatch.decide(self, state, grainsize, data_leaves, shared_leaves)
+
+    def route(self, state: SiteState, grainsize, data_leaves, shared_leaves) -> str:
+        """Where ``state``'s site runs: decided (by :meth:`decide`) the first time, then
+        kept. Called by ``reduce_sum`` while tracing."""
+        with state.deciding():
+            if state.decision is None:
+                state.settle(*self.decide(state, grainsize, data_leaves, shared_leaves))
+        return state.decision
 
     # -- bookkeeping ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ..blocks import cpu_count
+from ..errors import check_count
 from .base import Executor
 
 __all__ = ["ThreadExecutor"]
@@ -46,8 +47,7 @@ class ThreadExecutor(Executor):
                  count_calls: bool = True):
         if workers is None:
             workers = cpu_count()
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"ThreadExecutor: workers must be a positive int or None, got {workers!r}")
+        workers = check_count(workers, "workers", "ThreadExecutor", what="threads")
         super().__init__(dispatch=dispatch, count_calls=count_calls)
         self._workers = workers
         self._pool = None

@@ -36,13 +36,13 @@ def test_fn_not_callable(x, fn):
 
 @pytest.mark.parametrize("grainsize", [0, -1, -256])
 def test_grainsize_below_one(x, grainsize):
-    with pytest.raises(ValueError, match=rf"grainsize must be >= 1.*got {grainsize}"):
+    with pytest.raises(ValueError, match=rf"grainsize must be an int >= 1 or None.*got {grainsize}"):
         pb.reduce_sum(gaussian, x, 0.0, grainsize=grainsize)
 
 
 @pytest.mark.parametrize("grainsize", [2.5, "10", True])
 def test_grainsize_not_an_int(x, grainsize):
-    with pytest.raises(TypeError, match="grainsize must be an int or None"):
+    with pytest.raises(TypeError, match="grainsize must be an int >= 1 or None"):
         pb.reduce_sum(gaussian, x, 0.0, grainsize=grainsize)
 
 

@@ -184,7 +184,7 @@ def test_executors_are_context_managers(make, x):
 
 @pytest.mark.parametrize("workers", [0, -1, 1.5, True])
 def test_thread_executor_rejects_bad_worker_counts(workers):
-    with pytest.raises(ValueError, match="workers must be a positive int"):
+    with pytest.raises((ValueError, TypeError), match="workers must be an int >= 1"):
         pb.ThreadExecutor(workers)
 
 
