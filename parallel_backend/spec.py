@@ -175,6 +175,16 @@ def pad_blocks(x, plan: BlockPlan, axis: int = 0, xp=np):
     return x.reshape(shape)
 
 
+def _owned(a: np.ndarray) -> np.ndarray:
+    """``a``, copied if it is a view of memory numpy does not own (a JAX array's
+    buffer): a view would keep the user's array alive as long as the site, and the
+    site is forgotten only when that array dies."""
+    base = a
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return a if isinstance(base, np.ndarray) else a.copy()
+
+
 class Program:
     """What a :class:`SiteSpec` computes, traced in this process.
 
@@ -208,7 +218,7 @@ class Program:
         first the resident leaves ``fn`` reads directly, then the hoisted residuals."""
         plan = self.spec.plan
         with jax.enable_x64(self.spec.x64), jax.default_device(host_device()):
-            blocks = [pad_blocks(np.asarray(x), plan) for x in resident_leaves]
+            blocks = [_owned(pad_blocks(np.asarray(x), plan)) for x in resident_leaves]
             raw = tuple(blocks[k] for k in self.split.raw)
             if not self.split.hoisted:
                 return raw
