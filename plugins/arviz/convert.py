@@ -21,8 +21,8 @@ import jax
 import xarray as xr
 
 import parallel_backend as pb
-
-from parallel_backend.plugins.numpyro.sample import HMC_EXTRA_FIELDS
+from parallel_backend.plugins.numpyro.replay import (HMC_EXTRA_FIELDS, factor_sites, quietly,
+                                                     trace_model)
 
 from .loglik import pointwise_log_likelihood
 
@@ -106,7 +106,7 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
 
     # from_numpyro replays the model once for observed_data: keep that evaluation off
     # the caller's executor. A pb.factor site's dims are its rows', not its empty value's.
-    with pb.SerialExecutor(count_calls=False) as scratch, pb.use_executor(scratch):
+    with quietly():
         idata = az.from_numpyro(mcmc, log_likelihood=False, coords=coords,
                                 dims={k: v for k, v in dims.items() if k not in factor_sites},
                                 **from_numpyro_kwargs)
@@ -174,21 +174,16 @@ def _numpyro():
 
 def _factor_sites(model, flat, model_args, model_kwargs) -> dict:
     """``{site: info}`` of the pb.factor sites, from one replay at the first draw."""
-    from numpyro import handlers
-
-    from parallel_backend.plugins.numpyro import reduce_sum_sites
-
     first = jax.tree.map(lambda x: x[0], flat)
     found = {}
 
     def replay(draw):
-        tr = handlers.trace(handlers.substitute(handlers.seed(model, rng_seed=0), data=draw))
-        found.update(reduce_sum_sites(tr.get_trace(*model_args, **model_kwargs)))
+        found.update(factor_sites(trace_model(model, model_args, model_kwargs, params=draw)))
         return 0
 
     # Traced, not run: leaves computed from the draws (or from anything) stay tracers,
     # the data arrays given to the model stay concrete; no likelihood is evaluated.
-    with pb.SerialExecutor(count_calls=False) as scratch, pb.use_executor(scratch):
+    with quietly():
         jax.make_jaxpr(replay)(first)
     return found
 

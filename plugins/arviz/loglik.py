@@ -12,16 +12,14 @@ the core's public names and the NumPyro plugin; never ArviZ.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro import handlers
 
 import parallel_backend as pb
-from parallel_backend.plugins.numpyro.factor import reduce_sum_sites
+from parallel_backend.plugins.numpyro.replay import factor_sites, quietly, trace_model
 
 __all__ = ["pointwise_log_likelihood", "LogLikPlan", "default_chunks"]
 
@@ -108,118 +106,143 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
         raise ValueError("pointwise_log_likelihood: samples is empty; pass the posterior draws")
     n_draws = int(np.shape(leaves[0])[0])
     samples = jax.tree.map(jnp.asarray, samples)
-    first = jax.tree.map(lambda x: x[0], samples)
-
-    static: dict = {}
-
-    def replay(draw):
-        """Every pb.factor site's flat (data, shared) leaves, and observed log_probs."""
-        tr = handlers.trace(handlers.substitute(handlers.seed(model, rng_seed=0), data=draw))
-        trace = tr.get_trace(*model_args, **model_kwargs)
-        sites = reduce_sum_sites(trace)
-        out = {}
-        for name, info in sites.items():
-            flat, treedef = jax.tree.flatten((info["data"], info["shared"]))
-            n_data = len(jax.tree.leaves(info["data"]))
-            static[name] = (info["fn"], treedef, n_data, info["executor"])
-            out[name] = flat
-        obs = {}
-        if observed:
-            obs = {name: site["fn"].log_prob(site["value"]) for name, site in trace.items()
-                   if site["type"] == "sample" and site["is_observed"] and name not in sites
-                   and not site.get("infer", {}).get("is_auxiliary", False)}
-        return out, obs
-
-    # Resolved before the private executor below becomes the innermost one.
+    # Resolved before the private executor of the replay becomes the innermost one.
     outer = pb.executors.resolve_executor() if executor is None else None
-    # The replay's own reduce_sum results are unused; under jit they are dropped, and
-    # a private serial executor keeps them out of the caller's executor and its stats.
-    with contextlib.ExitStack() as owned, pb.SerialExecutor(count_calls=False) as scratch, \
-            pb.use_executor(scratch):
-        closed, shapes = jax.make_jaxpr(replay, return_shape=True)(first)
-        depends = _depends_on_inputs(closed)
-        flat_out, out_tree = jax.tree.flatten(shapes)
-        dep_idx = [i for i, d in enumerate(depends) if d]
-        # Concrete values of the leaves that do not depend on the draws.
-        const_vals = jax.jit(lambda d: [x for x, dep in zip(jax.tree.leaves(replay(d)), depends)
-                                        if not dep])(first)
-
-        def replay_leaves(d):  # the model traced once, not once per leaf
-            leaves = jax.tree.leaves(replay(d))
-            return [leaves[i] for i in dep_idx]
-
-        replay_dep = jax.jit(jax.vmap(replay_leaves))
-
-        # Which flat output each site leaf is, and whether it varies by draw.
-        names = list(static)
-        slots = jax.tree.unflatten(out_tree, list(range(len(flat_out))))
-        const_of = {}
-        it = iter(const_vals)
-        for i, d in enumerate(depends):
-            if not d:
-                const_of[i] = next(it)
-        dep_pos = {i: k for k, i in enumerate(dep_idx)}
-
-        sizes = {}
-        for name in names:
-            fn, treedef, n_data, _ = static[name]
-            first_leaf = slots[0][name][0] if n_data else None
-            if first_leaf is None:
-                raise ValueError(f"pb.factor site {name!r} has no data leaves")
-            sizes[name] = int(flat_out[first_leaf].shape[0])
-
-        values = {}
-        obs_slots = slots[1]
-        for name, i in obs_slots.items():
-            values[name] = np.empty((n_draws,) + tuple(flat_out[i].shape), flat_out[i].dtype)
-
-        plans = {}
-        chunks = {}
-        for name in names:
-            cd, cr = default_chunks(n_draws, sizes[name])
-            cd = min(chunk_draws or cd, n_draws)
-            cr = max(1, min(chunk_rows or cr, sizes[name]))
-            chunks[name] = (cd, cr)
+    with contextlib.ExitStack() as owned, quietly():
+        replay = _Replay(model, model_args, model_kwargs, observed,
+                         jax.tree.map(lambda x: x[0], samples))
+        names = replay.names
+        chunks = {name: _chunk_sizes(n_draws, replay.sizes[name], chunk_draws, chunk_rows)
+                  for name in names}
         # One replay chunk size for all sites: the smallest asked for.
         cd_all = min([c[0] for c in chunks.values()] or [min(chunk_draws or n_draws, n_draws)])
-        tasks = {name: 0 for name in names}
-        evaluators = {name: _Evaluator(static[name], slots[0][name], depends, sizes[name],
-                                       chunks[name][1]) for name in names}
-        site_executors = {}
-        for name in names:
-            given = executor if executor is not None else static[name][3]
-            site_executors[name] = outer if given is None else pb.executors.resolve_executor(given)
-            if isinstance(given, str):  # made here from a name: closed when done
-                owned.enter_context(site_executors[name])
-
+        evaluators = {name: replay.evaluator(name, chunks[name][1]) for name in names}
+        executors = {name: _site_executor(executor, replay.static[name].executor, outer, owned)
+                     for name in names}
+        values = {name: np.empty((n_draws,) + shape, dtype)
+                  for name, (shape, dtype) in replay.observed_shapes().items()}
+        tasks = dict.fromkeys(names, 0)
         for d0 in range(0, n_draws, cd_all):
             d1 = min(d0 + cd_all, n_draws)
             # Pad the last draw chunk to full size: one compiled shape, the same bits.
             idx = np.minimum(np.arange(d0, d0 + cd_all), n_draws - 1)
-            chunk = jax.tree.map(lambda x: x[idx], samples)
-            dep_vals = replay_dep(chunk)
-            for name, i in obs_slots.items():
-                v = dep_vals[dep_pos[i]] if depends[i] else jnp.broadcast_to(
-                    const_of[i], (cd_all,) + tuple(const_of[i].shape))
+            dep_vals = replay.draw_leaves(jax.tree.map(lambda x: x[idx], samples))
+            for name, v in replay.observed_values(dep_vals, cd_all).items():
                 values[name][d0:d1] = np.asarray(v)[: d1 - d0]
             for name in names:
-                ex = site_executors[name]
-                site_leaves = [dep_vals[dep_pos[i]] if depends[i] else const_of[i]
-                               for i in slots[0][name]]
-                evaluate = evaluators[name]
                 cr = chunks[name][1]
-                starts = list(range(0, sizes[name], cr))
-                parts = ex.map(_Task(evaluate, site_leaves), starts)
+                starts = list(range(0, replay.sizes[name], cr))
+                parts = executors[name].map(_Task(evaluators[name], replay.site_leaves(name, dep_vals)),
+                                            starts)
                 tasks[name] += len(starts)
                 if name not in values:
-                    values[name] = np.empty((n_draws, sizes[name]), parts[0].dtype)
+                    values[name] = np.empty((n_draws, replay.sizes[name]), parts[0].dtype)
                 for r0, part in zip(starts, parts):
-                    r1 = min(r0 + cr, sizes[name])
+                    r1 = min(r0 + cr, replay.sizes[name])
                     values[name][d0:d1, r0:r1] = part[: d1 - d0, : r1 - r0]
             del dep_vals
-        for name in names:
-            plans[name] = LogLikPlan(cd_all, chunks[name][1], tasks[name])
+    plans = {name: LogLikPlan(cd_all, chunks[name][1], tasks[name]) for name in names}
     return values, plans
+
+
+def _chunk_sizes(n_draws, n_rows, chunk_draws, chunk_rows) -> tuple[int, int]:
+    cd, cr = default_chunks(n_draws, n_rows)
+    return min(chunk_draws or cd, n_draws), max(1, min(chunk_rows or cr, n_rows))
+
+
+def _site_executor(given, site_executor, outer, owned):
+    """The executor that evaluates a site's rows: ``given``, else the site's own, else the
+    caller's; one made here from a name is closed with ``owned``."""
+    choice = given if given is not None else site_executor
+    if choice is None:
+        return outer
+    ex = pb.executors.resolve_executor(choice)
+    if isinstance(choice, str):
+        owned.enter_context(ex)
+    return ex
+
+
+class _Static(NamedTuple):
+    """A ``pb.factor`` site as the replay sees it."""
+
+    fn: object
+    treedef: object  # of (data, shared)
+    n_data: int
+    executor: object
+
+
+class _Replay:
+    """The model replayed at posterior draws: every ``pb.factor`` site's ``(data, shared)``
+    leaves, and the ``log_prob`` of observed sites.
+
+    The model is traced once (a jaxpr); the leaves that do not depend on the draws are
+    computed once (``const``), the others for a chunk of draws at a time
+    (:meth:`draw_leaves`, one jitted ``vmap`` of the model)."""
+
+    def __init__(self, model, model_args, model_kwargs, observed, first_draw):
+        self.static: dict = {}
+
+        def replay(draw):
+            trace = trace_model(model, model_args, model_kwargs, params=draw)
+            sites = factor_sites(trace)
+            out = {}
+            for name, info in sites.items():
+                flat, treedef = jax.tree.flatten((info["data"], info["shared"]))
+                self.static[name] = _Static(info["fn"], treedef,
+                                            len(jax.tree.leaves(info["data"])), info["executor"])
+                out[name] = flat
+            obs = {}
+            if observed:
+                obs = {name: site["fn"].log_prob(site["value"]) for name, site in trace.items()
+                       if site["type"] == "sample" and site["is_observed"] and name not in sites
+                       and not site.get("infer", {}).get("is_auxiliary", False)}
+            return out, obs
+
+        closed, shapes = jax.make_jaxpr(replay, return_shape=True)(first_draw)
+        self.depends = _depends_on_inputs(closed)
+        self.flat_shapes, out_tree = jax.tree.flatten(shapes)
+        self.slots = jax.tree.unflatten(out_tree, list(range(len(self.flat_shapes))))
+        dep_idx = [i for i, d in enumerate(self.depends) if d]
+        self.dep_pos = {i: k for k, i in enumerate(dep_idx)}
+        consts = jax.jit(lambda d: [x for x, dep in zip(jax.tree.leaves(replay(d)), self.depends)
+                                    if not dep])(first_draw)
+        it = iter(consts)
+        self.const = {i: next(it) for i, d in enumerate(self.depends) if not d}
+
+        def dependent(d):  # the model traced once, not once per leaf
+            leaves = jax.tree.leaves(replay(d))
+            return [leaves[i] for i in dep_idx]
+
+        self.draw_leaves = jax.jit(jax.vmap(dependent))
+        self.names = list(self.static)
+        self.sizes = {}
+        for name in self.names:
+            if not self.static[name].n_data:
+                raise ValueError(f"pb.factor site {name!r} has no data leaves")
+            self.sizes[name] = int(self.flat_shapes[self.slots[0][name][0]].shape[0])
+
+    def _leaf(self, i, dep_vals, n_draws=None):
+        if self.depends[i]:
+            return dep_vals[self.dep_pos[i]]
+        if n_draws is None:
+            return self.const[i]
+        return jnp.broadcast_to(self.const[i], (n_draws,) + tuple(self.const[i].shape))
+
+    def site_leaves(self, name, dep_vals) -> list:
+        """A site's flat ``(data, shared)`` leaves: per draw where they depend on it."""
+        return [self._leaf(i, dep_vals) for i in self.slots[0][name]]
+
+    def observed_shapes(self) -> dict:
+        return {name: (tuple(self.flat_shapes[i].shape), self.flat_shapes[i].dtype)
+                for name, i in self.slots[1].items()}
+
+    def observed_values(self, dep_vals, n_draws) -> dict:
+        return {name: self._leaf(i, dep_vals, n_draws) for name, i in self.slots[1].items()}
+
+    def evaluator(self, name, chunk_rows):
+        ids = self.slots[0][name]
+        return _Evaluator(self.static[name], tuple(bool(self.depends[i]) for i in ids),
+                          self.sizes[name], chunk_rows)
 
 
 class _Evaluator:
@@ -229,9 +252,9 @@ class _Evaluator:
     other executors; the compiled function is rebuilt there, never shipped.
     """
 
-    def __init__(self, static, slot_ids, depends, n_rows, chunk_rows):
-        self.fn, self.treedef, self.n_data, _ = static
-        self.batched = tuple(bool(depends[i]) for i in slot_ids)
+    def __init__(self, static, batched, n_rows, chunk_rows):
+        self.fn, self.treedef, self.n_data = static.fn, static.treedef, static.n_data
+        self.batched = tuple(batched)
         self.n_rows, self.chunk_rows = int(n_rows), int(chunk_rows)
         self._jitted = None
 

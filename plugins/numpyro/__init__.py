@@ -1,10 +1,12 @@
-"""NumPyro integration: ``factor``, a model statement backed by ``reduce_sum``.
+"""NumPyro integration: ``pb.factor`` (a model statement backed by ``reduce_sum``),
+``pb.sample`` (NUTS returned as ArviZ data), ``pb.profile``, and the
+``parallel-backend`` command (``cli``, ``demo``).
 
 Imports numpyro and the core's public names.
 """
 
 from .factor import factor, reduce_sum_sites
-from .sample import sample
 from .profile import ProfileReport, ProfileRow, profile
+from .sample import sample
 
 __all__ = ["factor", "reduce_sum_sites", "sample", "profile", "ProfileReport", "ProfileRow"]

@@ -9,10 +9,9 @@ except ImportError as e:  # pragma: no cover - numpyro is a core dependency
 
 import parallel_backend as pb
 
-__all__ = ["factor", "reduce_sum_sites"]
+from .replay import INFER_KEY, factor_sites
 
-#: Key of a factor site's ``infer`` dict under which the reduce_sum inputs are kept.
-INFER_KEY = "parallel_backend"
+__all__ = ["factor", "reduce_sum_sites"]
 
 
 def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=None):
@@ -61,7 +60,5 @@ def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=No
     return value
 
 
-def reduce_sum_sites(trace) -> dict:
-    """The ``pb.factor`` sites of a NumPyro trace: ``{name: info}``."""
-    return {name: site["infer"][INFER_KEY] for name, site in trace.items()
-            if site["type"] == "sample" and INFER_KEY in site.get("infer", {})}
+#: The ``pb.factor`` sites of a NumPyro trace (an alias of :func:`.replay.factor_sites`).
+reduce_sum_sites = factor_sites

@@ -18,15 +18,14 @@ from numpyro.infer.hmc import HMC
 from numpyro.infer.mcmc import MCMCKernel
 
 import parallel_backend as pb
+from parallel_backend.extend import check_count, resolve_executor
 
 from .progress import Progress, ProgressKernel, terminal
+from .replay import HMC_EXTRA_FIELDS
 
 __all__ = ["sample"]
 
 CHAIN_METHODS = ("vectorized", "parallel", "sequential")
-#: Fields of an HMC/NUTS state collected for ArviZ's sample_stats.
-HMC_EXTRA_FIELDS = ("potential_energy", "energy", "num_steps", "accept_prob",
-                    "adapt_state.step_size", "diverging")
 
 
 def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
@@ -97,7 +96,6 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     except ImportError as e:
         raise ImportError('pb.sample returns arviz.InferenceData and needs ArviZ: '
                           'pip install "parallel-backend[arviz]"') from e
-    from parallel_backend.plugins.arviz import to_arviz
 
     _check_count("num_warmup", num_warmup, 0)
     _check_count("num_samples", num_samples, 1)
@@ -118,7 +116,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     key = _key(seed)
 
     own = isinstance(executor, str)
-    ex = pb.executors.resolve_executor(executor)
+    ex = resolve_executor(executor)
     try:
         extra = HMC_EXTRA_FIELDS if isinstance(kernel, HMC) else ()
         progress = Progress(ex, num_chains, num_warmup, num_samples,
@@ -137,15 +135,14 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
                  "sampling_seconds": progress.seconds["sample"],
                  "chain_method": chain_method if isinstance(chain_method, str) else "callable",
                  "num_warmup": int(num_warmup)}
-        return to_arviz(mcmc, executor=ex, attrs=attrs, **(arviz_kwargs or {}))
+        return pb.to_arviz(mcmc, executor=ex, attrs=attrs, **(arviz_kwargs or {}))
     finally:
         if own:
             ex.close()
 
 
 def _check_count(name, value, least):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ValueError(f"sample: {name} must be an int >= {least}, got {value!r}")
+    check_count(value, name, "sample", least=least)
 
 
 def _key(seed):

@@ -19,6 +19,7 @@ import parallel_backend as pb
 
 # The module, not the function of the same name that the package exports.
 profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
+timing_module = importlib.import_module("parallel_backend.plugins.numpyro.profile_timing")
 
 
 def normal_loglik(y, mu, sigma):
@@ -47,7 +48,7 @@ def cores():
 
 def expected_labels():
     labels = ["plain NumPyro", "SerialExecutor()"]
-    labels += [f"ThreadExecutor({w}, dispatch='host')" for w in profile_module._worker_counts(cores())]
+    labels += [f"ThreadExecutor({w}, dispatch='host')" for w in timing_module._worker_counts(cores())]
     if cores() > 1:
         labels.append(f"ThreadExecutor({cores()})")
     if len(jax.devices()) > 1:
@@ -110,8 +111,8 @@ def test_plain_variant_is_the_numpyro_log_density():
     """The swap to plain NumPyro gives numpyro.sample(obs=...)'s potential and gradient."""
     y = data(3000)
     z = {"mu": jnp.float32(0.7), "sigma": jnp.float32(0.4)}
-    swapped = profile_module._gradient_fn(normal_model, (y,), {}, None)(z)
-    on_serial = profile_module._gradient_fn(normal_model, (y,), {}, pb.SerialExecutor())(z)
+    swapped = timing_module.gradient_fn(normal_model, (y,), {}, None)(z)
+    on_serial = timing_module.gradient_fn(normal_model, (y,), {}, pb.SerialExecutor())(z)
     expected = jax.value_and_grad(lambda p: numpyro.infer.util.potential_energy(
         plain_normal_model, (y,), {}, p))(z)
     for got in (swapped, on_serial):

@@ -13,35 +13,23 @@ import termios
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from numpyro.infer import NUTS
 
 import parallel_backend as pb
+from helpers import regression_data, regression_model
 
 N = 400
 SITES = ("alpha", "beta", "sigma")
 
 
 def make_data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=N)
-    y = 0.5 + 1.2 * x + 0.8 * rng.normal(size=N)
-    return {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}
-
-
-def loglik(rows, alpha, beta, sigma):
-    return dist.Normal(alpha + beta * rows["x"], sigma).log_prob(rows["y"])
+    return regression_data(N, seed)
 
 
 def model(data):
-    alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
-    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
-    pb.factor("y", loglik, data, alpha, beta, sigma, block_rows=64)
+    regression_model(data, block_rows=64)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +97,7 @@ def test_executor_by_name_and_model_kwargs():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"chain_method": "vectorised"}, ValueError, "chain_method must be one of"),
     ({"num_samples": 0}, ValueError, "num_samples must be an int >= 1"),
-    ({"num_chains": 2.0}, ValueError, "num_chains"),
+    ({"num_chains": 2.0}, TypeError, "num_chains must be an int >= 1"),
     ({"seed": "0"}, TypeError, "seed must be an int or a jax PRNG key"),
 ])
 def test_argument_errors(data, kwargs, error, match):
@@ -126,7 +114,7 @@ def test_model_errors(data):
 
 SCRIPT = textwrap.dedent("""
     import hashlib, sys
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, {tests!r}]
     import numpy as np, parallel_backend as pb
     from test_sample import make_data, model
     print("before", flush=True)
@@ -140,7 +128,7 @@ SCRIPT = textwrap.dedent("""
 
 def script(bar: bool) -> list:
     here = os.path.dirname(os.path.abspath(__file__))
-    return [sys.executable, "-c", SCRIPT.format(here=here, bar=bar)]
+    return [sys.executable, "-c", SCRIPT.format(here=here, tests=os.path.dirname(here), bar=bar)]
 
 
 def run_on_terminal(cmd, timeout=240) -> str:
