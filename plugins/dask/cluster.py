@@ -15,8 +15,9 @@ import time
 import warnings
 
 from distributed import Client, LocalCluster
+from distributed.comm.core import CommClosedError
 
-from parallel_backend.extend import cpu_count
+from parallel_backend.extend import check_count, cpu_count
 
 from .protocol import QUARANTINE_SECONDS
 
@@ -50,9 +51,8 @@ def local_cluster(n_workers, threads_per_worker) -> LocalCluster:
     cores = cpu_count()
     if n_workers is None:
         n_workers = cores
-    for name, v in (("n_workers", n_workers), ("threads_per_worker", threads_per_worker)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"DaskExecutor: {name} must be a positive int, got {v!r}")
+    n_workers = check_count(n_workers, "n_workers", "DaskExecutor")
+    threads_per_worker = check_count(threads_per_worker, "threads_per_worker", "DaskExecutor")
     try:
         import bokeh  # noqa: F401 - the dashboard needs it
         dashboard = "127.0.0.1:0"
@@ -118,6 +118,20 @@ def wait_for_workers(client, timeout: float) -> dict:
         client.wait_for_workers(1, timeout=timeout)
     except (TimeoutError, asyncio.TimeoutError) as e:
         address = client.scheduler.address
-        raise TimeoutError(f"DaskExecutor: the cluster at {address} has no workers (waited "
+        raise TimeoutError(f"DaskExecutor: the scheduler at {address} has no workers (waited "
                            f"{timeout:g} s); start some with `dask worker {address}`") from e
     return dict(client.nthreads())
+
+
+def register(client, plugin, name: str) -> None:
+    """Install ``plugin`` on every worker. A worker the scheduler still lists but that is
+    gone (killed, unreachable) fails the broadcast with a closed stream: say that the
+    workers were lost, and what to do, instead."""
+    try:
+        client.register_plugin(plugin, name=name)
+    except (CommClosedError, OSError) as e:
+        address = client.scheduler.address
+        raise ConnectionError(
+            f"DaskExecutor: the scheduler at {address} answered, but it has no workers that "
+            f"answer: they were lost (killed or disconnected; {type(e).__name__}). Start "
+            f"workers with `dask worker {address}` (or restart the cluster) and try again") from e

@@ -109,9 +109,9 @@ class DaskExecutor(Executor):
         self._remote_lock = threading.Lock()
         self._data_bytes = 0
         try:
-            self._client.register_plugin(remote.WorkerState(self._plugin), name=self._plugin)
-            self._live = cluster.Liveness(self._client, self.timeout,
-                                          cluster.wait_for_workers(self._client, self.timeout))
+            nthreads = cluster.wait_for_workers(self._client, self.timeout)
+            cluster.register(self._client, remote.WorkerState(self._plugin), self._plugin)
+            self._live = cluster.Liveness(self._client, self.timeout, nthreads)
             # Looked up once: it is a scheduler round trip, and repr/stats show it.
             services = self._client.scheduler_info().get("services", {})
             self._dashboard = self._client.dashboard_link if "dashboard" in services else None

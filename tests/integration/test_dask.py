@@ -20,12 +20,11 @@ import cloudpickle
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from numpyro.infer import MCMC, NUTS
 
 import parallel_backend as pb
+from helpers import regression_data, regression_loglik, regression_model
 
 distributed = pytest.importorskip("distributed")
 from distributed import Client, LocalCluster  # noqa: E402
@@ -63,21 +62,14 @@ def dask_host(client):
 
 
 def make_data(n=N, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=n)
-    y = 0.5 + 1.2 * x + 0.8 * rng.normal(size=n)
-    return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+    return regression_data(n, seed, dtype=None)
 
 
-def loglik(rows, alpha, beta, sigma):
-    return dist.Normal(alpha + beta * rows["x"], sigma).log_prob(rows["y"])
+loglik = regression_loglik
 
 
 def model(data, executor=None):
-    alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
-    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
-    pb.factor("y", loglik, data, alpha, beta, sigma, executor=executor, block_rows=BLOCK_ROWS)
+    regression_model(data, executor, block_rows=BLOCK_ROWS)
 
 
 def run_nuts(executor, data, warmup=25, samples=25, seed=0):
@@ -311,6 +303,23 @@ def test_no_workers_left_is_a_clear_error_not_a_hang(cli_cluster, x64):
         with pytest.raises(Exception, match="no workers left"):
             jax.block_until_ready(f(0.5))
         assert time.time() - t0 < 30
+
+
+def test_new_executor_on_a_scheduler_whose_workers_died_says_so(cli_cluster, x64):
+    """Every worker SIGKILLed (no nanny), the scheduler still up: connecting again says
+    the scheduler has no workers, and what to do, within the timeout (not a raw
+    ``CommClosedError`` from the plugin registration)."""
+    address, procs = cli_cluster
+    for p in procs[1:]:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    t0 = time.time()
+    with pytest.raises((ConnectionError, TimeoutError)) as info:
+        pb.DaskExecutor(address=address, timeout=3)
+    message = str(info.value)
+    assert address in message and "no workers" in message and "dask worker" in message, message
+    assert "Stream is closed" not in message
+    assert time.time() - t0 < 30
 
 
 @pytest.mark.timeout(300)
