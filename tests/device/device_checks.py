@@ -130,22 +130,15 @@ _SERIAL_DRAWS: dict = {}
 
 def nuts(pb, jax, jnp, np, n_devices, mode, which):
     """Short NUTS runs: DeviceExecutor against SerialExecutor, same seed."""
-    import numpyro
-    import numpyro.distributions as dist
     from numpyro.infer import MCMC, NUTS
 
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=N)
-    data = {"x": jnp.asarray(x), "y": jnp.asarray(0.5 + 1.2 * x + 0.8 * rng.normal(size=N))}
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from helpers import regression_data, regression_model
 
-    def loglik(rows, alpha, beta, sigma):
-        return dist.Normal(alpha + beta * rows["x"], sigma).log_prob(rows["y"])
+    data = regression_data(N, seed=1, dtype=None)
 
     def model(data):
-        alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
-        beta = numpyro.sample("beta", dist.Normal(0.0, 5.0))
-        sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
-        pb.factor("y", loglik, data, alpha, beta, sigma, block_rows=BLOCK_ROWS)
+        regression_model(data, block_rows=BLOCK_ROWS)
 
     def draws(ex, chains, method):
         with pb.use_executor(ex):

@@ -8,16 +8,14 @@ configuration is sampled once and several tests read it.
 import contextlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from numpyro.diagnostics import effective_sample_size
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import log_density
 
 import parallel_backend as pb
+from helpers import plain_regression_model, regression_data, regression_model
 
 N = 1000
 BLOCK_ROWS = 128
@@ -26,31 +24,14 @@ SITES = ("alpha", "beta", "sigma")
 
 
 def make_data(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=N)
-    y = 0.5 + 1.2 * x + 0.8 * rng.normal(size=N)
-    return {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}
-
-
-def priors():
-    alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
-    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
-    return alpha, beta, sigma
-
-
-def loglik(rows, alpha, beta, sigma):
-    return dist.Normal(alpha + beta * rows["x"], sigma).log_prob(rows["y"])
+    return regression_data(N, seed)
 
 
 def pb_model(data):
-    alpha, beta, sigma = priors()
-    pb.factor("y", loglik, data, alpha, beta, sigma, block_rows=BLOCK_ROWS)
+    regression_model(data, block_rows=BLOCK_ROWS)
 
 
-def plain_model(data):
-    alpha, beta, sigma = priors()
-    numpyro.sample("y", dist.Normal(alpha + beta * data["x"], sigma), obs=data["y"])
+plain_model = plain_regression_model
 
 
 EXECUTORS = {

@@ -1,0 +1,77 @@
+"""The shape of the code base: what may import what, and how big a module may grow.
+
+Read from the source with ``ast`` (every import statement, at module level or inside a
+function), so a lazy import cannot slip past.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import parallel_backend as pb
+from parallel_backend import extend
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "parallel_backend"
+PLUGINS = ROOT / "plugins"
+#: What a plugin may import from the core: the facade and the executor-author interface.
+PLUGIN_INTERFACE = {"parallel_backend", "parallel_backend.extend"}
+#: Libraries the core must never import: the integrations live in ``plugins/``.
+INTEGRATIONS = {"numpyro", "dask", "distributed", "arviz"}
+MAX_LINES = 400
+
+
+def modules(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Absolute module names imported by ``path`` (``from x import y`` gives ``x`` and,
+    for a package ``x``, ``x.y``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def core_imports(path: Path) -> set[str]:
+    """The core modules ``path`` imports, plugins (mapped under the package) left out."""
+    out = set()
+    for name in imported(path):
+        if name.startswith("parallel_backend.plugins") or name.split(".")[0] != "parallel_backend":
+            continue
+        out.add(name)
+    return out
+
+
+@pytest.mark.parametrize("path", modules(PLUGINS), ids=lambda p: str(p.relative_to(ROOT)))
+def test_plugins_import_only_the_declared_interface(path):
+    allowed = PLUGIN_INTERFACE | {f"parallel_backend.{n}" for n in pb.__all__}
+    allowed |= {f"parallel_backend.extend.{n}" for n in extend.__all__}
+    bad = sorted(n for n in core_imports(path) if n not in allowed)
+    assert not bad, f"{path.relative_to(ROOT)} imports core internals {bad}; " \
+                    "use parallel_backend.extend (or add what is missing there)"
+
+
+@pytest.mark.parametrize("path", modules(CORE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_core_imports_no_integration(path):
+    bad = sorted(n for n in imported(path)
+                 if n.split(".")[0] in INTEGRATIONS or n.startswith("parallel_backend.plugins"))
+    assert not bad, f"the core module {path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", modules(CORE) + modules(PLUGINS),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_over_400_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_the_interface_module_names_only_what_exists():
+    missing = [n for n in extend.__all__ if not hasattr(extend, n)]
+    assert not missing and len(extend.__all__) == len(set(extend.__all__))
