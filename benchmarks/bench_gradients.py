@@ -20,10 +20,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+#: The floor (negbin, logistic: every size) and where XLA leaves cores idle (HMM
+#: sequences, a per-row Newton solve, per-group Cholesky).
+DEFAULT = [f"{m}_{s}" for m in ("negbin", "logistic") for s in ("1k", "10k", "200k", "1M")] + [
+    "hmm_1k", "hmm_5k", "hmm_50k", "newton_10k", "newton_200k", "gp_10k", "gp_50k"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    ap.add_argument("--likelihoods", default="logistic_1M,negbin_1M,hmm_50k,logistic_1k")
+    ap.add_argument("--likelihoods", default=",".join(DEFAULT),
+                    help="comma list of NAME_SIZE from likelihoods.LIKELIHOODS")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     ap.add_argument("--only", default=None, help="comma list of variants to run")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every N by this")

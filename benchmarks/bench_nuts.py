@@ -1,9 +1,14 @@
 """NUTS wall time, warmup included: plain NumPyro against pb.factor on each executor.
 
 Same model, data and seed for every variant; 1 chain and 4 vectorized chains.
-Reports the median of ``--repeats`` runs and the ratio to plain (> 1: faster).
+Reports the median of ``--repeats`` runs and the ratio to plain (> 1: faster), and
+milliseconds per gradient inside NUTS (a second sampling run from where the first
+ended, compiled by then: its wall time over its leapfrog steps). ``plain_1core`` is
+plain NumPyro in a child process pinned to one core (``taskset -c 0``): the ceiling
+reference of parallel efficiency.
 
     python benchmarks/bench_nuts.py --dtype float32
+    python benchmarks/bench_nuts.py --models hmm,newton,gp --rows 5000 --chains 1
     python benchmarks/bench_nuts.py --variants plain,thread,device,device_host --cpu-devices 2
 
 ``device`` is ``DeviceExecutor()`` and ``device_host`` ``DeviceExecutor(dispatch="host")``
@@ -24,36 +29,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(name, n, dtype, executor):
+    """The likelihood ``name`` of :mod:`likelihoods` with a Normal prior (sd 0.5) around
+    the true value of each parameter: one model for plain and for every executor."""
+    import jax.numpy as jnp
     import numpyro
     import numpyro.distributions as dist
 
     import parallel_backend as pb
-    from likelihoods import logistic, negbin
+    from likelihoods import MAKERS
 
-    make = {"negbin": negbin, "logistic": logistic}[name]
-    fn, data, params = make(n, dtype)
-    d = data["X"].shape[1]
+    fn, data, params = MAKERS[name](n, dtype)
 
     def model():
-        alpha = numpyro.sample("alpha", dist.Normal(0.0, 2.0))
-        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([d]))
-        extra = ()
-        if name == "negbin":
-            extra = (numpyro.sample("log_phi", dist.Normal(1.5, 1.0)),)
+        ps = [numpyro.sample(f"p{i}", dist.Normal(jnp.asarray(p), 0.5).to_event(jnp.ndim(p)))
+              for i, p in enumerate(params)]
         if executor is None:
-            numpyro.factor("y", fn(data, alpha, beta, *extra).sum())
+            numpyro.factor("y", fn(data, *ps).sum())
         else:
-            pb.factor("y", fn, data, alpha, beta, *extra, executor=executor)
+            pb.factor("y", fn, data, *ps, executor=executor)
 
     return model
 
 
 def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
+    """Wall seconds of warmup + sampling (compilation included), then milliseconds per
+    gradient in a second sampling run from where the first ended (compiled by then):
+    its wall over its leapfrog steps. Returns ``(seconds, ms_per_grad, grads, stats)``."""
     import jax
     from numpyro.infer import MCMC, NUTS
 
     import parallel_backend as pb
 
+    if variant == "plain_1core":  # the ceiling reference: plain pinned to one core
+        return _pinned(name, n, dtype, chains, warmup, samples, seed)
     executor = {"plain": lambda: None, "serial": pb.SerialExecutor, "thread": pb.ThreadExecutor,
                 "thread_host": lambda: pb.ThreadExecutor(dispatch="host"),
                 "device": pb.DeviceExecutor,
@@ -65,20 +73,45 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
     mcmc.run(jax.random.PRNGKey(seed), extra_fields=("num_steps",))
     jax.block_until_ready(mcmc.get_samples())
     seconds = time.perf_counter() - t0
+    grads = int(mcmc.get_extra_fields()["num_steps"].sum())
+    mcmc.post_warmup_state = mcmc.last_state
+    t0 = time.perf_counter()
+    mcmc.run(mcmc.last_state.rng_key, extra_fields=("num_steps",))
+    jax.block_until_ready(mcmc.get_samples())
+    steps = int(mcmc.get_extra_fields()["num_steps"].sum()) / chains
+    ms_per_grad = (time.perf_counter() - t0) / max(steps, 1) * 1e3
     stats = executor.stats() if executor is not None else {}
     if executor is not None:
         executor.close()
-    grads = int(mcmc.get_extra_fields()["num_steps"].sum())
-    return seconds, grads, stats
+    return seconds, ms_per_grad, grads, stats
+
+
+def _pinned(name, n, dtype, chains, warmup, samples, seed):
+    """``plain`` in a child process pinned to core 0 (``taskset``)."""
+    import subprocess
+
+    cmd = ["taskset", "-c", "0", sys.executable, os.path.abspath(__file__), "--one",
+           json.dumps([name, n, np_name(dtype), "plain", chains, warmup, samples, seed])]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    seconds, ms, grads = json.loads(out.strip().splitlines()[-1])
+    return seconds, ms, grads, {}
+
+
+def np_name(dtype) -> str:
+    import numpy as np
+
+    return np.dtype(dtype).name
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    ap.add_argument("--models", default="negbin,logistic")
-    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--models", default="negbin,logistic,hmm")
+    ap.add_argument("--rows", default="200000",
+                    help="comma list of sizes (rows; sequences or groups for hmm and gp)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child of plain_1core
     ap.add_argument("--chains", default="1,4")
-    ap.add_argument("--variants", default="plain,serial,thread,thread_host")
+    ap.add_argument("--variants", default="plain,serial,thread,plain_1core")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
@@ -97,28 +130,44 @@ def main(argv=None):
         jax.config.update("jax_enable_x64", True)
     import numpy as np
 
+    if args.one:  # one plain run, for plain_1core's child process
+        name, n, dtype, variant, chains, warmup, samples, seed = json.loads(args.one)
+        s, ms, grads, _ = run_one(name, n, np.dtype(dtype), variant, chains, warmup, samples, seed)
+        print(json.dumps([s, ms, grads]))
+        return
     cores = len(os.sched_getaffinity(0))
     for name in args.models.split(","):
-        for chains in map(int, args.chains.split(",")):
-            times = {v: [] for v in args.variants.split(",")}
-            info = {}
-            for rep in range(args.repeats):
-                for v in times:  # interleaved, so drift hits every variant alike
-                    s, grads, stats = run_one(name, args.rows, np.dtype(args.dtype), v, chains,
-                                              args.warmup, args.samples, seed=rep)
-                    times[v].append(s)
-                    info[v] = dict(grads=grads, sites=stats.get("sites"))
-            med = {k: float(np.median(v)) for k, v in times.items()}
-            base = med.get("plain")
-            ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
-            print(f"{name:9s} N={args.rows:,} {args.dtype} chains={chains} cores={cores} "
-                  f"plain={base:.1f}s {ratios}  "
-                  + " ".join(f"{k}={v:.1f}s" for k, v in med.items()), flush=True)
-            if args.json:
-                with open(args.json, "a") as fh:
-                    fh.write(json.dumps(dict(model=name, n=args.rows, dtype=args.dtype, chains=chains,
-                                             cores=cores, devices=len(jax.devices()), seconds=med,
-                                             info=info)) + "\n")
+        for n in map(int, args.rows.split(",")):
+            for chains in map(int, args.chains.split(",")):
+                bench_one(args, name, n, chains, cores)
+
+
+def bench_one(args, name, n, chains, cores):
+    import jax
+    import numpy as np
+
+    times = {v: [] for v in args.variants.split(",")}
+    per_grad = {v: [] for v in times}
+    info = {}
+    for rep in range(args.repeats):
+        for v in times:  # interleaved, so drift hits every variant alike
+            s, ms, grads, stats = run_one(name, n, np.dtype(args.dtype), v, chains,
+                                          args.warmup, args.samples, seed=rep)
+            times[v].append(s)
+            per_grad[v].append(ms)
+            info[v] = dict(grads=grads, sites=stats.get("sites"))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    ms = {k: float(np.median(v)) for k, v in per_grad.items()}
+    base, mbase = med.get("plain"), ms.get("plain")
+    ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
+    gratios = " ".join(f"{k}={mbase / v:.2f}x" for k, v in ms.items() if mbase and k != "plain")
+    print(f"{name:9s} N={n:,} {args.dtype} chains={chains} cores={cores} plain={base:.1f}s "
+          f"wall: {ratios} | ms/grad plain={mbase:.2f}: {gratios}", flush=True)
+    if args.json:
+        with open(args.json, "a") as fh:
+            fh.write(json.dumps(dict(model=name, n=n, dtype=args.dtype, chains=chains,
+                                     cores=cores, devices=len(jax.devices()), seconds=med,
+                                     ms_per_grad=ms, info=info)) + "\n")
 
 
 if __name__ == "__main__":

@@ -73,9 +73,85 @@ def hmm(n_rows: int, dtype, n_steps: int = 100, n_states: int = 4, seed: int = 0
                      jnp.asarray(0.0, dtype))
 
 
-LIKELIHOODS = {
-    "logistic_1M": (logistic, 1_000_000),
-    "negbin_1M": (negbin, 1_000_000),
-    "hmm_50k": (hmm, 50_000),
-    "logistic_1k": (logistic, 1_000),
-}
+def newton(n_rows: int, dtype, seed: int = 0):
+    """A per-row iterative solve: the mean ``u_i`` of row ``i`` is the root of
+    ``u + theta * sinh(u) = a + b * x_i``, found by Newton steps in a ``while_loop``
+    until every row's step is below tolerance (rows need 3 to 9 steps), and
+    differentiated implicitly (``lax.custom_root``), as ODE and steady-state models are.
+    ``y_i ~ Normal(u_i, sigma)``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n_rows) * 2.0
+    u_true = _solve_np(1.0 + 1.5 * x, 0.8)
+    y = (u_true + 0.3 * rng.normal(size=n_rows)).astype(dtype)
+    tol = 1e-5 if np.dtype(dtype) == np.float32 else 1e-10
+
+    def fn(data, a, b, log_theta, log_sigma):
+        theta = jnp.exp(log_theta)
+        rhs = a + b * data["x"]
+
+        def f(u):
+            return u + theta * jnp.sinh(u) - rhs
+
+        def solve(f, u0):
+            def body(c):
+                u, _ = c
+                step = f(u) / (1.0 + theta * jnp.cosh(u))
+                return u - step, jnp.max(jnp.abs(step))
+
+            u, _ = jax.lax.while_loop(lambda c: c[1] > tol, body,
+                                      (u0, jnp.asarray(jnp.inf, u0.dtype)))
+            return u
+
+        def tangent_solve(g, r):  # g is linear and diagonal: g(v) = v * g(1)
+            return r / g(jnp.ones_like(r))
+
+        u = jax.lax.custom_root(f, jnp.arcsinh(rhs / (1.0 + theta)), solve, tangent_solve)
+        sigma = jnp.exp(log_sigma)
+        z = (data["y"] - u) / sigma
+        return -0.5 * z * z - log_sigma - 0.5 * np.log(2 * np.pi).astype(dtype)
+
+    return fn, {"x": x.astype(dtype), "y": y}, (
+        jnp.asarray(1.0, dtype), jnp.asarray(1.5, dtype), jnp.asarray(np.log(0.8), dtype),
+        jnp.asarray(np.log(0.3), dtype))
+
+
+def _solve_np(rhs, theta):
+    u = np.arcsinh(rhs / (1.0 + theta))
+    for _ in range(50):
+        u = u - (u + theta * np.sinh(u) - rhs) / (1.0 + theta * np.cosh(u))
+    return u
+
+
+def gp_groups(n_rows: int, dtype, m: int = 12, seed: int = 0):
+    """Per-group dense work: each row is a group of ``m`` observations at its own
+    inputs, with a squared-exponential Gaussian-process covariance; the group's
+    log-density needs a Cholesky of its own ``m x m`` matrix."""
+    rng = np.random.default_rng(seed)
+    t = np.sort(rng.uniform(0, 10, size=(n_rows, m)), axis=1)
+    d2 = (t[:, :, None] - t[:, None, :]) ** 2
+    K = np.exp(-0.5 * d2 / 1.5 ** 2) + 0.1 * np.eye(m)
+    y = (np.linalg.cholesky(K) @ rng.normal(size=(n_rows, m, 1)))[..., 0] + 0.5
+    eye = np.eye(m, dtype=dtype)
+
+    def fn(data, mu, log_amp, log_ls, log_noise):
+        t, y = data["t"], data["y"]
+        d2 = (t[:, :, None] - t[:, None, :]) ** 2
+        K = (jnp.exp(2 * log_amp) * jnp.exp(-0.5 * d2 * jnp.exp(-2 * log_ls))
+             + jnp.exp(2 * log_noise) * eye)
+        L = jnp.linalg.cholesky(K)
+        r = jax.scipy.linalg.solve_triangular(L, (y - mu)[..., None], lower=True)[..., 0]
+        logdet = jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), axis=-1)
+        return -0.5 * jnp.sum(r * r, axis=-1) - logdet - 0.5 * m * np.log(2 * np.pi).astype(dtype)
+
+    return fn, {"t": t.astype(dtype), "y": y.astype(dtype)}, (
+        jnp.asarray(0.5, dtype), jnp.asarray(0.0, dtype), jnp.asarray(np.log(1.5), dtype),
+        jnp.asarray(np.log(0.3), dtype))
+
+
+#: name -> (maker, rows). For the HMM and the GP a row is a sequence or a group.
+MAKERS = {"logistic": logistic, "negbin": negbin, "hmm": hmm, "newton": newton,
+          "gp": gp_groups}
+SIZES = {"1k": 1_000, "10k": 10_000, "50k": 50_000, "200k": 200_000, "1M": 1_000_000}
+LIKELIHOODS = {f"{name}_{tag}": (make, n) for name, make in MAKERS.items()
+               for tag, n in SIZES.items()}
+LIKELIHOODS["hmm_5k"] = (hmm, 5_000)
