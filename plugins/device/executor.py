@@ -134,14 +134,14 @@ class DeviceExecutor(Executor):
     def workers(self) -> int:
         return len(self._devices)
 
-    def decide(self, state, grainsize, data_leaves, shared_leaves) -> str:
+    def decide(self, state, grainsize, data_leaves, shared_leaves):
         """As :meth:`Executor.decide`; ``"graph"`` (in place) inside ``pmap``."""
         if _in_place():
-            return "graph"
-        choice = super().decide(state, grainsize, data_leaves, shared_leaves)
+            return "graph", None
+        choice, timing = super().decide(state, grainsize, data_leaves, shared_leaves)
         if choice == "graph":
             self._release_shares(state)  # measured, then not used: free the devices' copies
-        return choice
+        return choice, timing
 
     def _mapped(self, state) -> bool:
         """Whether ``state``'s graph path is the ``shard_map`` over the devices."""
