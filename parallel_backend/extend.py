@@ -15,17 +15,17 @@ One host evaluation, as an executor sees it::
 
 What a ``map_chunks`` has to work with:
 
-* ``state`` (:class:`SiteState`): ``state.spec`` (:class:`SiteSpec`, immutable and
+* ``state`` (``SiteState``): ``state.spec`` (``SiteSpec``, immutable and
   picklable: ship it to other processes), ``state.prepared()`` (the resident data as
   numpy blocks, made once), ``state.run_chunk(chunk, evaluation)`` (evaluate here).
-* ``chunks``: :class:`Chunk` runs of whole tiles, in block order.
-* ``evaluation`` (:class:`Evaluation`): the traced leaves' blocks and the shared
+* ``chunks``: ``Chunk`` runs of whole tiles, in block order.
+* ``evaluation`` (``Evaluation``): the traced leaves' blocks and the shared
   leaves; ``evaluation.restrict(a, b)`` keeps only blocks ``[a, b)`` (what a remote
   worker needs to receive).
 
 Elsewhere, ``Program(spec)`` rebuilds the block computations from a spec, and
 ``Resident(arrays, first, x64)`` holds a worker's share of the prepared blocks.
-Every result must come from :func:`run_chunk` on the same prepared data: that is
+Every result must come from ``run_chunk`` on the same prepared data: that is
 what keeps results bitwise the same on every executor.
 """
 

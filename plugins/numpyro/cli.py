@@ -38,9 +38,9 @@ def main(argv=None) -> int:
                       help="HMM sequences of 100 steps (50000 for the full problem)")
     demo.add_argument("--rows", type=_positive("--rows"), default=200_000,
                       help="rows of the negbin model's data")
-    demo.add_argument("--warmup", type=_positive("--warmup"), default=200, help="NUTS warmup iterations")
-    demo.add_argument("--samples", type=_positive("--samples"), default=200, help="NUTS draws")
-    demo.add_argument("--chains", type=_positive("--chains"), default=2,
+    demo.add_argument("--warmup", type=_positive("--warmup"), default=50, help="NUTS warmup iterations")
+    demo.add_argument("--samples", type=_positive("--samples"), default=50, help="NUTS draws")
+    demo.add_argument("--chains", type=_positive("--chains"), default=1,
                       help="vectorized chains")
     demo.add_argument("--workers", type=_positive("--workers"), default=None,
                       help="threads (default: all cores)")

@@ -191,7 +191,7 @@ def _fit(model, args, kwargs, num_warmup, num_samples, num_chains, seed, progres
 
 
 def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
-             num_warmup: int = 200, num_samples: int = 200, num_chains: int = 2,
+             num_warmup: int = 50, num_samples: int = 50, num_chains: int = 1,
              workers: int | None = None, seed: int = 0, progress_bar: bool = True,
              print_fn=print) -> dict:
     """Fit the demo model with plain NumPyro and with parallel_backend; report both.

@@ -24,6 +24,7 @@ import pytest
 from numpyro.infer import MCMC, NUTS
 
 import parallel_backend as pb
+import helpers
 from helpers import regression_data, regression_loglik, regression_model
 
 distributed = pytest.importorskip("distributed")
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.dask
 
 # Workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(helpers)  # the model's loglik: `dask worker` processes cannot import it
 
 #: 20 blocks in 2 tiles (9 and 11 blocks, tiles being at least 8,192 rows): one shard
 #: of the data per worker of the 2-worker clusters.
