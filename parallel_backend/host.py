@@ -16,14 +16,16 @@ Imports jax, numpy and the core.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from .blocks import TilePlan
+from .blocks import TilePlan, xla_threads
 from .chunking import Chunk, fixed_chunks
 from .errors import ChunkError
 from .spec import Program, pad_blocks
@@ -94,6 +96,14 @@ class ChunkResult(NamedTuple):
     seconds: float
 
 
+#: Chunk programs that may block a thread of XLA's CPU pool (``Program.blocks_pool``:
+#: batched LAPACK kernels) run at most this many at a time in this process, so that one
+#: pool thread always stays free to do the work they wait for; otherwise as many of them
+#: as the pool has threads wait for each other forever. Process-wide, as the pool is.
+POOL_SLOTS = max(1, xla_threads() - 1)
+_POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
+
+
 def tile_ranges(tiles: TilePlan, chunk: Chunk) -> list[tuple[int, int]]:
     """The tiles ``[a, b)`` (in blocks) that make up ``chunk`` (a run of whole tiles)."""
     out, a, stop = [], chunk.first, chunk.first + chunk.count
@@ -115,11 +125,12 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
     """
     spec = program.spec
     ev = evaluation
-    t0 = time.perf_counter()
+    gate = _POOL_GATE if program.blocks_pool else contextlib.nullcontext()
     try:
         # The same precision and device on every thread, so every thread hits the same
         # compiled function (a pure_callback's thread has a default device set).
-        with jax.enable_x64(spec.x64), jax.default_device(resident.device):
+        with gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
+            t0 = time.perf_counter()  # after the gate: the chunker wants compute time
             a, b = chunk.first, chunk.first + chunk.count
             fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes)
             if spec.form == "batched":
@@ -128,10 +139,11 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
                 out = fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
                          np.int32(a - resident.first), np.int32(chunk.count))
             out = jax.device_get(out)
+            seconds = time.perf_counter() - t0
     except Exception as e:
         raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
     return ChunkResult(chunk, out.values, tuple(out.shared_grads), tuple(out.data_grads),
-                       time.perf_counter() - t0)
+                       seconds)
 
 
 def assemble(program: Program, results, batch: tuple, traced_shapes, shared_shapes):

@@ -36,12 +36,24 @@ from jax import lax
 from .blocks import BlockPlan, TilePlan, tree_sum
 from .hoist import Split, known_function, split_known, unknown_function
 
-__all__ = ["SiteSpec", "Program", "Partials", "detect_form", "combine", "pad_blocks",
-           "host_device"]
+__all__ = ["SiteSpec", "Program", "Partials", "detect_form", "blocks_pool", "combine",
+           "pad_blocks", "host_device"]
 
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` a loop of its own (so blocks run best one at a time).
 LOOPS = frozenset({"scan", "while"})
+#: Primitives that XLA:CPU runs as jaxlib LAPACK kernels which, on a batch of
+#: matrices, hand parts of it to XLA's intra-op thread pool and *block* the pool
+#: thread they run on until those parts are done. As many such programs at once as
+#: the pool has threads then wait for each other forever (measured: two chunk
+#: programs with a batched ``solve_triangular`` on a 2-thread pool), so the host path
+#: runs fewer of them at a time (see :mod:`.host`). Foreign functions (``ffi_call``)
+#: may do the same and count too.
+POOL_BLOCKING = frozenset({
+    "cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3", "householder_product", "eigh",
+    "eig", "svd", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve", "ffi_call",
+    "custom_call",
+})
 
 
 class SiteSpec(NamedTuple):
@@ -123,19 +135,25 @@ class SiteSpec(NamedTuple):
         return p.block_range(first_block)[0], p.block_range(first_block + count - 1)[1]
 
 
+def _uses(jaxpr, names) -> bool:
+    """Whether ``jaxpr`` (or a jaxpr nested in it) binds one of the primitives ``names``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        if any(_uses(sub, names) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
 def detect_form(closed) -> str:
     """``"looped"`` when the jaxpr holds a loop (``scan``/``while``), else ``"batched"``."""
+    return "looped" if _uses(closed.jaxpr, LOOPS) else "batched"
 
-    def loops(jaxpr) -> bool:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in LOOPS:
-                return True
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                if loops(sub):
-                    return True
-        return False
 
-    return "looped" if loops(closed.jaxpr) else "batched"
+def blocks_pool(closed) -> bool:
+    """Whether ``fn``'s jaxpr runs a kernel that blocks a thread of XLA's CPU pool
+    (see :data:`POOL_BLOCKING`)."""
+    return _uses(closed.jaxpr, POOL_BLOCKING)
 
 
 class Partials(NamedTuple):
@@ -198,6 +216,8 @@ class Program:
         with jax.enable_x64(spec.x64):
             closed = jax.make_jaxpr(spec.block_fn())(resident, traced, shared)
         self.split: Split = split_known(closed, len(resident), len(traced))
+        #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
+        self.blocks_pool = blocks_pool(closed)
         self._known = known_function(self.split)
         self._unknown = unknown_function(self.split)
         plan = spec.plan
