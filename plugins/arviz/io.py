@@ -3,7 +3,11 @@
 netCDF keeps attribute values as numbers, strings and 1-d arrays: a one-element
 list comes back as a scalar and ints as numpy scalars. :func:`save` records which
 attributes were lists; :func:`load` restores them and returns plain Python values,
-so ``load(save(idata, path)).attrs == idata.attrs``. Imports arviz and numpy.
+so ``load(save(idata, path)).attrs == idata.attrs``. :func:`save` replaces the file
+atomically (a temporary file beside it, flushed to disk, then renamed), so a crash or a
+kill while writing leaves the previous file whole: ``pb.sample``'s checkpoints rely on
+it. :func:`load` of an unfinished checkpoint gives the draws made so far. Imports arviz
+and numpy.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import arviz as az
 import numpy as np
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "read_groups"]
 
 #: Attribute naming the list-valued attributes of a group (removed again by load).
 LIST_ATTRS = "parallel_backend_list_attrs"
@@ -54,7 +58,7 @@ def save(idata, path) -> str:
         for group, attrs in originals:
             target = idata.attrs if group is None else getattr(idata, group).attrs
             target.update(_encode(attrs, group))
-        idata.to_netcdf(path)
+        _replace(path, idata.to_netcdf)
     finally:
         for group, attrs in originals:
             target = idata.attrs if group is None else getattr(idata, group).attrs
@@ -73,7 +77,10 @@ def load(path):
     Returns
     -------
     arviz.InferenceData
-        Equal to the saved one: same groups, values, dtypes and attributes.
+        Equal to the saved one: same groups, values, dtypes and attributes. From a
+        ``pb.sample`` checkpoint of an unfinished run: ``posterior`` and
+        ``sample_stats`` hold the draws every chain has made (``attrs["draws_done"]``
+        per chain), without the sampler state.
 
     Raises
     ------
@@ -83,17 +90,51 @@ def load(path):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: no file at {path!r}; write one with save(idata, path)")
-    lazy = az.from_netcdf(path)
+    attrs, groups = read_groups(path)
+    done = attrs.get("draws_done")
+    if done is not None:  # an unfinished pb.sample checkpoint: the draws every chain made
+        groups.pop("sampler_state", None)
+        for name in ("posterior", "sample_stats"):
+            if name in groups:
+                groups[name] = groups[name].isel(draw=slice(0, min(done)))
+    idata = az.InferenceData(**groups)
+    idata.attrs.clear()
+    idata.attrs.update(attrs)
+    return idata
+
+
+def read_groups(path) -> tuple:
+    """``(attrs, {group: xarray.Dataset})`` of the netCDF file ``path``, read into memory
+    with the attributes decoded as :func:`load` returns them, nothing left out."""
+    lazy = az.from_netcdf(os.fspath(path))
     groups = {}
     for name in lazy.groups():
         ds = getattr(lazy, name)
         groups[name] = ds.load()
         ds.close()
         groups[name].attrs = _decode(groups[name].attrs)
-    idata = az.InferenceData(**groups)
-    idata.attrs.clear()
-    idata.attrs.update(_decode(lazy.attrs))
-    return idata
+    return _decode(lazy.attrs), groups
+
+
+def _replace(path: str, write) -> None:
+    """``write(temporary path)``, flushed to disk, then renamed over ``path`` (one step
+    on POSIX and Windows): readers see the old file or the new one, never a part."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if hasattr(os, "O_DIRECTORY"):  # the rename itself on disk (POSIX)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _encode(attrs: dict, group) -> dict:

@@ -1,12 +1,13 @@
 """The progress bar of ``pb.sample``.
 
-:class:`ProgressKernel` wraps any ``MCMCKernel``: after each transition it hands
-the state's figures to the host (``jax.debug.callback``; under vectorized chains
-once per chain). :class:`Progress` turns them into a tqdm bar that shows, beside
-NumPyro's usual figures, gradient evaluations per second (from the executor's
-``stats()["calls"]``, one per evaluation) and the executor's worker count. The
-callback is always compiled in, shown or not, so ``progress_bar`` never changes
-the compiled program and hence never the draws. Imports jax, numpyro, tqdm.
+The sampling loop (:mod:`.driver`) hands each transition's figures (:func:`figures`)
+to the host (``jax.debug.callback``; under vectorized chains once per batch).
+:class:`Progress` turns them into a tqdm bar that shows, beside NumPyro's usual
+figures, gradient evaluations per second (from the executor's ``stats()["calls"]``,
+one per evaluation) and the executor's worker count, and, for a run continued from a
+checkpoint, where it was resumed. The callback is always compiled in, shown or not, so
+``progress_bar`` never changes the compiled program and hence never the draws.
+Imports jax, numpy, tqdm.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro.infer.mcmc import MCMCKernel
 
-__all__ = ["Progress", "ProgressKernel", "terminal"]
+__all__ = ["Progress", "figures", "terminal"]
 
 
 def terminal(stream=None) -> bool:
@@ -45,6 +45,12 @@ class Progress:
         Draw the bar (``False``: count silently).
     file : stream, optional
         Where the bar goes; default ``sys.stdout``.
+    done : int
+        Transitions made before this process started (a run resumed from a checkpoint);
+        the bar starts there.
+    resumed_from, resume_count : int, optional
+        The iteration this process resumed from and how many times the run has been
+        resumed; the bar says so beside the phase.
 
     Examples
     --------
@@ -55,10 +61,14 @@ class Progress:
     (2, 1, 'grad/s=0, workers=1, 7 steps of size 1.00e-01. acc. prob=0.90, div=1')
     >>> sorted(bar.seconds)
     ['sample', 'warmup']
+    >>> Progress(None, 1, 10, 10, enabled=False, done=12, resumed_from=12,
+    ...          resume_count=2).label("sample")
+    'sample (resumed at iteration 12, resume 2)'
     """
 
     def __init__(self, executor, num_chains: int, num_warmup: int, num_samples: int, *,
-                 enabled: bool, file=None):
+                 enabled: bool, file=None, done: int = 0, resumed_from=None,
+                 resume_count: int = 0):
         self.executor = executor
         self.total = num_chains * (num_warmup + num_samples)
         self.num_chains = num_chains
@@ -67,7 +77,9 @@ class Progress:
         self.seconds = {"warmup": 0.0, "sample": 0.0}
         self.enabled = bool(enabled)
         self.file = file
-        self.count = 0
+        self.done = int(done)
+        self.count = self.done
+        self.resumed = None if resumed_from is None else (int(resumed_from), int(resume_count))
         self.divergences = 0
         self._phase = "compiling"
         self._last = (0, 0.0, 0.0)
@@ -87,7 +99,7 @@ class Progress:
             self._bar = tqdm(total=self.total, file=self.file or sys.stdout, mininterval=0.2,
                              ncols=size.columns if size.columns > 0 else 100,
                              nrows=size.lines if size.lines > 0 else 20, unit="it",
-                             desc=self._phase)
+                             desc=self.label(self._phase), initial=self.done)
         return self
 
     def __exit__(self, *exc):
@@ -98,7 +110,7 @@ class Progress:
         (collection, postprocessing)."""
         with self._lock:
             now = time.perf_counter()
-            self.seconds["sample" if self.count else "warmup"] += now - self._last_t
+            self.seconds["sample" if self.count > self.done else "warmup"] += now - self._last_t
             self._last_t = now
 
     def close(self) -> None:
@@ -113,12 +125,18 @@ class Progress:
         except Exception:  # a closed or foreign executor: no rate, not an error
             return 0
 
+    def label(self, phase: str) -> str:
+        """The bar's description: the phase, and where a resumed run was resumed."""
+        if self.resumed is None:
+            return phase
+        return f"{phase} (resumed at iteration {self.resumed[0]}, resume {self.resumed[1]})"
+
     def _set_phase(self, name: str) -> None:
         if name != self._phase:
             self._phase = name
             self.divergences = 0
             if self._bar is not None:
-                self._bar.set_description(name, refresh=False)
+                self._bar.set_description(self.label(name), refresh=False)
 
     def tick(self, i, num_steps, step_size, accept_prob, diverging) -> None:
         """One transition of one chain, or of a batch of chains (arrays; called from
@@ -153,53 +171,7 @@ class Progress:
                 f"div={self.divergences}")
 
 
-class ProgressKernel(MCMCKernel):
-    """``kernel`` with a host callback after each transition; otherwise the same kernel.
-
-    Every attribute not defined here (``model``, ``_sample_fn``...) is the inner
-    kernel's, so ``MCMC`` and ``arviz.from_numpyro`` see the kernel they expect.
-    """
-
-    def __init__(self, kernel: MCMCKernel, progress: Progress):
-        self.kernel = kernel
-        self.progress = progress
-
-    def __getattr__(self, name):
-        if name in ("kernel", "progress"):  # not yet set (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.kernel, name)
-
-    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
-        return self.kernel.init(rng_key, num_warmup, init_params, model_args, model_kwargs)
-
-    def sample(self, state, model_args, model_kwargs):
-        new = self.kernel.sample(state, model_args, model_kwargs)
-        jax.debug.callback(self._tick, *_figures(new))
-        return new
-
-    def _tick(self, *figures):
-        self.progress.tick(*(np.asarray(f) for f in figures))
-
-    def postprocess_fn(self, model_args, model_kwargs):
-        return self.kernel.postprocess_fn(model_args, model_kwargs)
-
-    @property
-    def sample_field(self):
-        return self.kernel.sample_field
-
-    @property
-    def default_fields(self):
-        return self.kernel.default_fields
-
-    @property
-    def is_ensemble_kernel(self):
-        return self.kernel.is_ensemble_kernel
-
-    def get_diagnostics_str(self, state):
-        return self.kernel.get_diagnostics_str(state)
-
-
-def _figures(state):
+def figures(state):
     """``(i, num_steps, step_size, mean_accept_prob, diverging)`` where the state has them."""
     def get(name, default):
         value = getattr(state, name, None)

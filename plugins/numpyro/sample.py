@@ -1,26 +1,40 @@
-"""``pb.sample``: NumPyro NUTS on an executor, returned as ``arviz.InferenceData``.
+"""``pb.sample``: NumPyro NUTS on an executor, returned as ``arviz.InferenceData``;
+checkpoints and resuming.
 
-Warmup and sampling run as one ``MCMC.run`` (one compilation), with the progress
-callback of :mod:`.progress` compiled in; it also splits the wall time between
-them. The result goes through ``pb.to_arviz``, which computes the pointwise
-log-likelihood on the same executor. ArviZ is imported inside :func:`sample`, so this module imports without it.
-Imports jax, numpyro and the core's public names.
+The chains run in the loop of :mod:`.driver` (NumPyro's ``kernel.init`` and
+``kernel.sample``, bitwise ``MCMC.run``'s draws), with the progress callback of
+:mod:`.progress` compiled in; it also splits the wall time between warmup and
+sampling. With ``checkpoint=`` the loop runs in segments of ``checkpoint_every``
+iterations, each followed by a checkpoint (:mod:`.checkpoint`); every segment, and an
+uninterrupted run, is the same compiled program, so a resumed run's draws are those of
+an uninterrupted one. The result goes through ``pb.to_arviz``, which computes the
+pointwise log-likelihood on the same executor. ArviZ is imported inside
+:func:`sample`, so this module imports without it. Imports jax, numpyro and the core's
+public names.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import numbers
+import os
+import warnings
 
 import jax
 import numpy as np
-from numpyro.infer import MCMC, NUTS
+import numpyro
+from numpyro.infer import NUTS
 from numpyro.infer.hmc import HMC
 from numpyro.infer.mcmc import MCMCKernel
 
 import parallel_backend as pb
 from parallel_backend.extend import check_count, resolve_executor
 
-from .progress import Progress, ProgressKernel, terminal
+from . import checkpoint as ckpt
+from .chains import Chains
+from .driver import collected_fields, lanes_for, to_host
+from .progress import Progress, terminal
 from .replay import HMC_EXTRA_FIELDS
 
 __all__ = ["sample"]
@@ -30,7 +44,8 @@ CHAIN_METHODS = ("vectorized", "parallel", "sequential")
 
 def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
            chain_method="vectorized", seed=0, executor=None, progress_bar=True,
-           init_params=None, nuts_kwargs=None, arviz_kwargs=None, **model_kwargs):
+           init_params=None, nuts_kwargs=None, arviz_kwargs=None, checkpoint=None,
+           checkpoint_every=100, **model_kwargs):
     """Run NumPyro's NUTS on ``model`` and return ``arviz.InferenceData``.
 
     Every ``pb.reduce_sum``/``pb.factor`` inside the model runs on ``executor``
@@ -64,22 +79,41 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     arviz_kwargs : dict, optional
         Passed to :func:`parallel_backend.to_arviz` (``coords``, ``dims``,
         ``log_likelihood=False``...).
+    checkpoint : str or os.PathLike, optional
+        A netCDF file. Every ``checkpoint_every`` iterations (warmup and sampling) the
+        draws so far and the sampler state (step size, mass matrix, adaptation state,
+        PRNG keys) replace it atomically. If the file is there when ``sample`` starts,
+        the run continues from it, with the draws an uninterrupted run would give,
+        whichever executor ran each part; a file of another run (other settings, model
+        or data) is refused and left as it is. When the run ends the file holds the
+        whole run (:func:`parallel_backend.plugins.arviz.load` reads it); calling
+        ``sample`` again then returns it.
+    checkpoint_every : int
+        Iterations between checkpoints (per chain; sequential chains also get one when
+        a chain ends).
 
     Returns
     -------
     arviz.InferenceData
         See :func:`parallel_backend.to_arviz`; ``attrs`` also hold
-        ``warmup_seconds`` and ``sampling_seconds`` (compilation included).
+        ``warmup_seconds`` and ``sampling_seconds`` (compilation included, all parts
+        of a resumed run added), ``resume_count`` and, for a resumed run,
+        ``resumed_from`` (the iteration each resume started at; with sequential
+        chains ``resumed_chain`` says whose).
 
     Raises
     ------
     TypeError
         ``model`` is neither callable nor a kernel; a bad ``seed``.
     ValueError
-        Bad counts or ``chain_method``; ``nuts_kwargs`` together with a kernel.
+        Bad counts or ``chain_method``; ``nuts_kwargs`` together with a kernel; a
+        ``checkpoint`` in a folder that does not exist.
+    parallel_backend.plugins.numpyro.CheckpointError
+        ``checkpoint`` holds another run, or is not a checkpoint (a ``ValueError``).
 
     Examples
     --------
+    >>> import os, tempfile
     >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import parallel_backend as pb
     >>> y = jnp.linspace(-1.0, 1.0, 50)
@@ -90,6 +124,16 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     ...                   progress_bar=False)
     >>> idata.posterior["mu"].shape, idata.log_likelihood["y"].shape
     ((2, 20), (2, 20, 50))
+
+    With a checkpoint, a second call continues (here: returns) the run in the file:
+
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.nc")
+    >>> a = pb.sample(model, y, num_warmup=50, num_samples=20, num_chains=2,
+    ...               progress_bar=False, checkpoint=path, checkpoint_every=25)
+    >>> b = pb.sample(model, y, num_warmup=50, num_samples=20, num_chains=2,
+    ...               progress_bar=False, checkpoint=path, checkpoint_every=25)
+    >>> bool((a.posterior["mu"] == idata.posterior["mu"]).all()), b.attrs["checkpoint_status"]
+    (True, 'finished')
     """
     try:
         import arviz  # noqa: F401 - fail before sampling, not after
@@ -100,6 +144,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     _check_count("num_warmup", num_warmup, 0)
     _check_count("num_samples", num_samples, 1)
     _check_count("num_chains", num_chains, 1)
+    _check_count("checkpoint_every", checkpoint_every, 1)
     if not callable(chain_method) and chain_method not in CHAIN_METHODS:
         raise ValueError(f"sample: chain_method must be one of {list(CHAIN_METHODS)}, "
                          f"got {chain_method!r}")
@@ -114,32 +159,136 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
         raise TypeError("sample: model must be a NumPyro model (a callable) or an MCMCKernel "
                         f"such as NUTS(model), got {type(model).__name__}")
     key = _key(seed)
+    path = _path(checkpoint)
+    lanes = lanes_for(chain_method, num_chains)
+
+    fingerprint = saved = None
+    if path is not None:
+        fingerprint = ckpt.fingerprint(model, kernel, _settings(
+            num_warmup, num_samples, num_chains, chain_method, seed, init_params),
+            model_args, model_kwargs)
+        saved = ckpt.read(path)
+        if saved is not None:
+            ckpt.check(saved, fingerprint, path)
+            if saved.finished:
+                from parallel_backend.plugins.arviz.io import load
+
+                return load(path)
+            _warn_version(saved, path)
 
     own = isinstance(executor, str)
     ex = resolve_executor(executor)
     try:
-        extra = HMC_EXTRA_FIELDS if isinstance(kernel, HMC) else ()
+        history = _History(saved, num_warmup + num_samples, lanes.kind == "each")
         progress = Progress(ex, num_chains, num_warmup, num_samples,
-                            enabled=bool(progress_bar) and terminal())
-        mcmc = MCMC(ProgressKernel(kernel, progress), num_warmup=num_warmup,
-                    num_samples=num_samples, num_chains=num_chains, chain_method=chain_method,
-                    progress_bar=False)
-        # One run, warmup included (one compilation); the progress callback splits
-        # the wall time between the phases by the transitions' iteration numbers.
+                            enabled=bool(progress_bar) and terminal(), done=history.transitions,
+                            resumed_from=history.resumed_at, resume_count=history.count)
+        # A copy: NumPyro's HMC keeps what init builds (a vectorized init wraps its
+        # sample function in vmap), so a kernel used twice must start afresh.
+        kernel = copy.copy(kernel)
+        fields = collected_fields(kernel, HMC_EXTRA_FIELDS if isinstance(kernel, HMC) else ())
+        chains = Chains(kernel, lanes, fields, num_chains, num_warmup, num_samples,
+                        model_args, model_kwargs, progress.tick)
+        on_segment = None
         with pb.use_executor(ex), progress:
-            mcmc.run(key, *model_args, extra_fields=extra, init_params=init_params,
-                     **model_kwargs)
-            jax.block_until_ready(mcmc.last_state)
+            one, draws = chains.start(key, init_params, resume=saved is not None)
+            if path is not None:
+                signature = ckpt.signature(one, draws)
+                if saved is not None:
+                    ckpt.check(saved, signature, path)
+                    names = ckpt.draw_names(fields, draws)
+                    chains.restore(saved.state, [saved.draws[n] for n in names], saved.done)
+                fingerprint.update(signature)
+                on_segment = _writer(path, chains, fields, draws, fingerprint, history, progress)
+            chains.run(checkpoint_every if path is not None else None, on_segment)
             progress.finish()
-        attrs = {"warmup_seconds": progress.seconds["warmup"],
-                 "sampling_seconds": progress.seconds["sample"],
-                 "chain_method": chain_method if isinstance(chain_method, str) else "callable",
-                 "num_warmup": int(num_warmup)}
-        return pb.to_arviz(mcmc, executor=ex, attrs=attrs, **(arviz_kwargs or {}))
+        attrs = {"chain_method": chain_method if isinstance(chain_method, str) else "callable",
+                 "num_warmup": int(num_warmup), **history.attrs(progress.seconds)}
+        idata = pb.to_arviz(chains.result(), executor=ex, attrs=attrs, **(arviz_kwargs or {}))
+        if path is not None:
+            ckpt.finish(path, idata, fingerprint)
+        return idata
     finally:
         if own:
             ex.close()
 
+
+class _History:
+    """A run's parts so far: resumes (from a checkpoint's attributes) and wall seconds."""
+
+    def __init__(self, saved, total: int, sequential: bool):
+        before = saved.attrs if saved is not None else {}
+        self.count = int(before.get("resume_count", 0)) + (saved is not None)
+        self.resumed_from = list(before.get("resumed_from", []))
+        self.resumed_chain = list(before.get("resumed_chain", []))
+        self.seconds = {"warmup": float(before.get("warmup_seconds", 0.0)),
+                        "sample": float(before.get("sampling_seconds", 0.0))}
+        self.transitions = int(np.sum(saved.done)) if saved is not None else 0
+        self.resumed_at = None
+        self.sequential = sequential
+        if saved is not None:
+            # The first chain not finished: where this part starts.
+            chain = next((c for c, d in enumerate(saved.done) if d < total), len(saved.done) - 1)
+            self.resumed_at = int(saved.done[chain])
+            self.resumed_from.append(self.resumed_at)
+            self.resumed_chain.append(chain)
+
+    def attrs(self, seconds: dict) -> dict:
+        """``warmup_seconds``/``sampling_seconds`` of every part, and the resumes."""
+        out = {"warmup_seconds": self.seconds["warmup"] + seconds["warmup"],
+               "sampling_seconds": self.seconds["sample"] + seconds["sample"],
+               "resume_count": self.count}
+        if self.count:
+            out["resumed_from"] = list(self.resumed_from)
+            if self.sequential:
+                out["resumed_chain"] = list(self.resumed_chain)
+        return out
+
+
+def _writer(path, chains, fields, draws, fingerprint, history, progress):
+    """What runs after each segment: the checkpoint of everything so far."""
+    names = ckpt.draw_names(fields, draws)
+    base = {"parallel_backend_version": pb.__version__, "jax_version": jax.__version__,
+            "numpyro_version": numpyro.__version__,
+            "checkpoint_fingerprint": json.dumps(fingerprint, sort_keys=True),
+            "num_chains": chains.num_chains, "num_samples": chains.num_samples,
+            "num_warmup": chains.num_warmup}
+
+    def write():
+        state, values, done = chains.snapshot()
+        ckpt.write(path, attrs={**base, **history.attrs(progress.seconds)}, state_leaves=state,
+                   draws=dict(zip(names, values)), done=done, num_warmup=chains.num_warmup)
+
+    return write
+
+
+def _settings(num_warmup, num_samples, num_chains, chain_method, seed, init_params) -> dict:
+    """``pb.sample``'s arguments that a continued run must share (not the executor, the
+    progress bar or ``checkpoint_every``: they do not change a draw)."""
+    return {"num_warmup": num_warmup, "num_samples": num_samples, "num_chains": num_chains,
+            "chain_method": chain_method, "init_params": init_params,
+            "seed": seed if isinstance(seed, numbers.Integral) else to_host(seed).tolist()}
+
+
+def _warn_version(saved, path) -> None:
+    version = saved.attrs.get("parallel_backend_version")
+    if version != pb.__version__:
+        warnings.warn(f"sample: the checkpoint {path!r} was written by parallel_backend "
+                      f"{version}, this is {pb.__version__}: its draws may differ from an "
+                      "uninterrupted run's", stacklevel=3)
+
+
+def _path(checkpoint):
+    if checkpoint is None:
+        return None
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"sample: checkpoint must be a file path (str or os.PathLike), got "
+                        f"{type(checkpoint).__name__}")
+    path = os.path.abspath(os.fspath(checkpoint))
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"sample: the folder of checkpoint {os.fspath(checkpoint)!r} does not "
+                         "exist; create it first")
+    return path
 
 def _check_count(name, value, least):
     check_count(value, name, "sample", least=least)

@@ -1,0 +1,315 @@
+"""Checkpoints of ``pb.sample``: what a file holds, whether it fits a run, writing it.
+
+A checkpoint is a netCDF file (written by :func:`parallel_backend.plugins.arviz.save`,
+so atomically) with the draws so far in ``posterior`` and ``sample_stats`` (full size,
+``attrs["draws_done"]`` per chain made), every chain's sampler state in a
+``sampler_state`` group (the leaves of NumPyro's state, stacked on a chain axis, and
+``done``, the transitions each chain has made), and in ``attrs`` the run's
+*fingerprint*: the settings, the model's name, the structure and a digest of its
+arguments, and the structure of the sampler state and of the draws. A second call of
+``pb.sample`` continues a file only if its fingerprint is this run's; otherwise
+:class:`CheckpointError` lists what differs. When the run has finished, the file is
+replaced by the whole run (``attrs["checkpoint_status"] == "finished"``).
+
+Owns :data:`FORMAT`, :func:`fingerprint`, :func:`signature`, :func:`read`,
+:func:`check`, :func:`write` and :func:`finish`. Imports numpy and jax; xarray and the ArviZ plugin
+inside the functions that read and write files.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+import parallel_backend as pb
+
+__all__ = ["FORMAT", "CheckpointError", "Saved", "fingerprint", "signature", "draw_names",
+           "read", "check", "write", "finish"]
+
+#: The layout of the files this version writes and reads.
+FORMAT = 1
+#: ArviZ's names of NumPyro's state fields in ``sample_stats`` (``lp`` is minus the
+#: potential energy).
+STAT_NAMES = {"potential_energy": "lp", "adapt_state.step_size": "step_size",
+              "num_steps": "n_steps", "accept_prob": "acceptance_rate"}
+#: Attributes of NumPyro's HMC that it builds from the model at ``init``: not settings.
+_BUILT_AT_INIT = {"_model", "_potential_fn", "_init_fn", "_sample_fn", "_potential_fn_gen",
+                  "_postprocess_fn", "_inv_transforms", "_dynamic_support"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that this run cannot continue (or a file that is not one)."""
+
+
+class Saved(NamedTuple):
+    """What a checkpoint file holds.
+
+    Attributes
+    ----------
+    attrs : dict
+        The file's attributes (settings, fingerprint, resume history, seconds).
+    fingerprint : dict
+        ``{item: description}`` of the run that wrote it.
+    finished : bool
+        The file holds the whole run (an ``InferenceData``; nothing else is read).
+    done : numpy.ndarray or None
+        Transitions made per chain.
+    state : list or None
+        The sampler state's leaves, stacked on a chain axis, in tree order.
+    draws : dict or None
+        ``{(group, name): (chains, draws, ...) array}``, named as by :func:`draw_names`.
+    """
+
+    attrs: dict
+    fingerprint: dict
+    finished: bool
+    done: np.ndarray | None = None
+    state: list | None = None
+    draws: dict | None = None
+
+
+# -- what identifies a run --------------------------------------------------------------
+
+
+def fingerprint(model, kernel, settings: dict, model_args, model_kwargs) -> dict:
+    """``{item: description}`` of everything a continued run must share with the run
+    that wrote the checkpoint, except the sampler state (see :func:`signature`).
+
+    ``settings`` are ``pb.sample``'s (counts, chain method, seed, initial values).
+    Executors among the model's arguments are left out: a run may continue on any.
+    """
+    args = {"args": tuple(model_args), "kwargs": dict(model_kwargs)}
+    out = {"model": _name(model), "kernel": _describe_kernel(kernel)}
+    out.update({k: _describe(v) for k, v in settings.items()})
+    out["model arguments"] = _structure(args)
+    out["model argument values"] = _digest(args)
+    out["precision"] = "float64" if jax.config.jax_enable_x64 else "float32"
+    return out
+
+
+def signature(state, draws) -> dict:
+    """The structure of one chain's sampler state and draws: another model (other
+    latent or deterministic sites) or another NumPyro (other state fields) differ here."""
+    return {"sampler state": str(jax.tree.structure(state)) + " " + _structure(state),
+            "draws": _structure(draws)}
+
+
+def _name(model) -> str:
+    model = getattr(model, "model", None) or getattr(model, "_potential_fn", None) or model
+    return getattr(model, "__qualname__", type(model).__name__)
+
+
+def _describe_kernel(kernel) -> str:
+    items = [f"{k.lstrip('_')}={_describe(v)}" for k, v in sorted(vars(kernel).items())
+             if k not in _BUILT_AT_INIT]
+    return f"{type(kernel).__name__}({', '.join(items)})"
+
+
+def _describe(v) -> str:
+    """A setting as text that is the same in every process (no addresses)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_describe(x) for x in v) + ")"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(x)}" for k, x in sorted(v.items(), key=str)) + "}"
+    if isinstance(v, functools.partial):
+        kw = ", ".join(f"{k}={_describe(x)}" for k, x in sorted(v.keywords.items()))
+        return f"{_describe(v.func)}({', '.join([*map(_describe, v.args), kw]) if kw else ''})"
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        return f"{_shape(v)}#{_digest(v)[:16]}"
+    if callable(v):
+        return getattr(v, "__qualname__", type(v).__name__)
+    return type(v).__name__
+
+
+def _leaves(tree):
+    """``(path, leaf)`` of the leaves that identify data: executors left out."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(p), x) for p, x in flat if not isinstance(x, pb.Executor)]
+
+
+def _host(x):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
+def _shape(x) -> str:
+    x = _host(x) if not hasattr(x, "shape") else x
+    return f"{np.dtype(x.dtype).name if not hasattr(x.dtype, 'impl') else 'key'}{list(x.shape)}"
+
+
+def _structure(tree) -> str:
+    parts = []
+    for path, x in _leaves(tree):
+        parts.append(f"{path}: {_shape(x) if hasattr(x, 'shape') else _describe(x)}")
+    return "; ".join(parts)
+
+
+def _digest(tree) -> str:
+    h = hashlib.sha256()
+    for path, x in _leaves(tree):
+        h.update(path.encode())
+        if hasattr(x, "shape"):
+            a = np.ascontiguousarray(_host(x))
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(a.tobytes())
+        else:
+            h.update(_describe(x).encode())
+    return h.hexdigest()
+
+
+def draw_names(fields, buffers) -> list:
+    """``(group, name)`` of each leaf of the collected ``buffers`` (one tree per field),
+    in tree order: the sample field's sites go to ``posterior`` (named by site, or
+    ``Param:i`` as ``arviz.from_numpyro`` names them), the others to ``sample_stats``
+    under ArviZ's names."""
+    names = []
+    for k, (field, tree) in enumerate(zip(fields, buffers)):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        for i, (path, _) in enumerate(flat):
+            if k == 0:
+                keys = [str(getattr(p, "key", "")) for p in path]
+                names.append(("posterior", ".".join(keys) if all(keys) and keys
+                              else f"Param:{i}"))
+            else:
+                base = STAT_NAMES.get(field, field)
+                names.append(("sample_stats", base if len(flat) == 1 else f"{base}.{i}"))
+    return names
+
+
+# -- reading and checking ---------------------------------------------------------------
+
+
+def read(path) -> Saved | None:
+    """The checkpoint at ``path``; ``None`` if there is no file.
+
+    Raises
+    ------
+    CheckpointError
+        The file is not a checkpoint, cannot be read, or was written in another format.
+    """
+    if not os.path.exists(path):
+        return None
+    from parallel_backend.plugins.arviz.io import read_groups
+
+    try:
+        attrs, groups = read_groups(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise CheckpointError(
+            f"sample: the checkpoint {path!r} exists but cannot be read as netCDF "
+            f"({type(e).__name__}: {e}). Pass another checkpoint path, or delete the file to "
+            "start over; it was not changed.") from e
+    fmt = attrs.get("checkpoint_format")
+    if fmt is None or "checkpoint_fingerprint" not in attrs:
+        raise CheckpointError(
+            f"sample: {path!r} exists but is not a pb.sample checkpoint (it has no "
+            "checkpoint_format attribute). Pass another checkpoint path, or delete the file "
+            "to start over; it was not changed.")
+    if fmt != FORMAT:
+        raise CheckpointError(
+            f"sample: the checkpoint {path!r} was written by parallel_backend "
+            f"{attrs.get('parallel_backend_version', '?')} in checkpoint format {fmt}; this is "
+            f"parallel_backend {pb.__version__}, which reads format {FORMAT} only. Continue "
+            "it with the version that wrote it, or pass another checkpoint path (or delete "
+            "the file) to start over; it was not changed.")
+    fp = json.loads(attrs["checkpoint_fingerprint"])
+    if attrs.get("checkpoint_status") == "finished":
+        return Saved(attrs, fp, True)
+    st = groups["sampler_state"]
+    leaves = [st[f"leaf_{i}"].values for i in range(int(st.attrs["leaves"]))]
+    draws = {(g, name): groups[g][name].values for g in ("posterior", "sample_stats")
+             if g in groups for name in groups[g].data_vars}
+    if ("sample_stats", "lp") in draws:  # stored as ArviZ's lp: back to the potential energy
+        draws["sample_stats", "lp"] = -draws["sample_stats", "lp"]
+    return Saved(attrs, fp, False, np.asarray(st["done"].values), leaves, draws)
+
+
+def check(saved: Saved, current: dict, path) -> None:
+    """Raise :class:`CheckpointError` naming every item of ``current`` that differs from
+    the checkpoint's fingerprint."""
+    differ = [k for k in current if saved.fingerprint.get(k) != current[k]]
+    if not differ:
+        return
+    lines = []
+    for k in differ:
+        old, new = saved.fingerprint.get(k, "(not recorded)"), current[k]
+        if k == "model argument values":
+            lines.append("  the model's arguments have the same shapes but other values")
+        else:
+            lines.append(f"  {k}: {_difference(old, new)}")
+    raise CheckpointError(
+        f"sample: the checkpoint {path!r} was written by another run, so this one cannot "
+        "continue it:\n" + "\n".join(lines) + "\nCall pb.sample with the model, arguments "
+        "and settings that wrote it to continue it, or pass another checkpoint path (or "
+        "delete the file) to start a new run. The file was not changed.")
+
+
+def _difference(old: str, new: str) -> str:
+    a, b = old.split("; "), new.split("; ")
+    if len(a) > 1 or len(b) > 1:  # a structure: show the entries that differ
+        a, b = [x for x in a if x not in b][:3], [x for x in b if x not in a][:3]
+        old, new = "; ".join(a) or "(none)", "; ".join(b) or "(none)"
+    return f"{old} in the checkpoint, {new} now"
+
+
+# -- writing ----------------------------------------------------------------------------
+
+
+def write(path, *, attrs: dict, state_leaves, draws: dict, done, num_warmup: int) -> None:
+    """Write a running checkpoint to ``path``, atomically (a crash leaves the previous one).
+
+    Parameters
+    ----------
+    attrs : dict
+        Root attributes, the fingerprint (as ``checkpoint_fingerprint``, JSON) included.
+    state_leaves : list of numpy.ndarray
+        The sampler state's leaves, stacked on a chain axis (typed keys as key data).
+    draws : dict
+        ``{(group, name): (chains, draws, ...) array}``.
+    done : sequence of int
+        Transitions made per chain.
+    num_warmup : int
+    """
+    import arviz as az
+    import xarray as xr
+
+    from parallel_backend.plugins.arviz.io import save
+
+    done = np.asarray(done, np.int64)
+    n_chains = len(done)
+    groups = {}
+    for (group, name), value in draws.items():
+        value = -value if (group, name) == ("sample_stats", "lp") else value
+        dims = ("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(value.ndim - 2))
+        groups.setdefault(group, {})[name] = (dims, value)
+    datasets = {g: xr.Dataset(v, coords={"chain": np.arange(n_chains),
+                                         "draw": np.arange(next(iter(v.values()))[1].shape[1])})
+                for g, v in groups.items()}
+    state = {f"leaf_{i}": (("chain",) + tuple(f"leaf_{i}_dim_{j}" for j in range(1, x.ndim)), x)
+             for i, x in enumerate(state_leaves)}
+    state["done"] = (("chain",), done)
+    datasets["sampler_state"] = xr.Dataset(state, attrs={"leaves": len(state_leaves)})
+    idata = az.InferenceData(**datasets)
+    idata.attrs.update(attrs)
+    idata.attrs.update({"checkpoint_format": FORMAT, "checkpoint_status": "running",
+                        "iteration": [int(d) for d in done],
+                        "draws_done": [int(max(d - num_warmup, 0)) for d in done]})
+    save(idata, path)
+
+
+def finish(path, idata, fingerprint: dict) -> None:
+    """Replace the checkpoint at ``path`` by the whole run ``idata`` (its attributes
+    marking it finished, for a later call to return as it is)."""
+    from parallel_backend.plugins.arviz.io import save
+
+    idata.attrs.update({"checkpoint_format": FORMAT, "checkpoint_status": "finished",
+                        "checkpoint_fingerprint": json.dumps(fingerprint, sort_keys=True)})
+    save(idata, path)

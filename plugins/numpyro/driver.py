@@ -1,0 +1,237 @@
+"""Running a NumPyro kernel ourselves: chains in segments of one compiled loop.
+
+``pb.sample`` drives the kernel as NumPyro's ``MCMC`` does (``kernel.init``, then
+``kernel.sample`` in a loop that postprocesses ``z`` and collects fields into
+preallocated buffers), and its draws are bitwise ``MCMC``'s. The loop is one jitted
+function whose bounds are runtime arguments, so any segment ``[lo, hi)`` of a run uses
+the very same compiled program: a run cut into segments (for checkpoints, or resumed in
+another process) computes exactly what one uninterrupted loop computes, without
+compiling again. NumPyro's own continuation (``post_warmup_state``) compiles a second
+program instead.
+
+The chains run in *lanes*: ``"batched"`` (vectorized: one state holds every chain),
+``"each"`` (one chain after another) or ``"mapped"`` (states stacked on a chain axis,
+run by ``jax.pmap`` or the user's chain transform). Outside the loop every chain's state
+and draws are kept stacked on a leading chain axis, whatever the lanes.
+
+This module owns :func:`lanes_for`, :func:`init_states`, :class:`Segments` and
+:class:`Run` (a finished run as ``pb.to_arviz`` reads an ``MCMC``). Imports jax, numpy
+and numpyro.
+"""
+
+from __future__ import annotations
+
+import warnings
+from operator import attrgetter
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from numpyro.util import is_prng_key
+
+from .progress import figures
+
+__all__ = ["Lanes", "lanes_for", "collected_fields", "init_states", "Segments", "Run",
+           "to_host", "to_device", "is_key"]
+
+
+class Lanes(NamedTuple):
+    """How the chains run.
+
+    Attributes
+    ----------
+    kind : {"batched", "each", "mapped"}
+    transform : callable or None
+        For ``"mapped"``: ``jax.pmap`` or the user's ``chain_method`` callable.
+    """
+
+    kind: str
+    transform: object = None
+
+    def chains(self, num_chains: int) -> list:
+        """The chain indices of each lane, in the order they run."""
+        if self.kind == "each":
+            return [[c] for c in range(num_chains)]
+        return [list(range(num_chains))]
+
+
+def lanes_for(chain_method, num_chains: int) -> Lanes:
+    """The lanes NumPyro's ``MCMC`` would use (one chain: one unbatched lane; too few
+    devices for ``"parallel"``: one chain after another, with NumPyro's warning)."""
+    if num_chains == 1 or chain_method == "sequential":
+        return Lanes("each")
+    if chain_method == "vectorized":
+        return Lanes("batched")
+    if chain_method == "parallel":
+        if jax.local_device_count() < num_chains:
+            warnings.warn(f"sample: chain_method='parallel' needs {num_chains} devices, found "
+                          f"{jax.local_device_count()}; the chains run one after another. On a "
+                          f"CPU, start Python with XLA_FLAGS=--xla_force_host_platform_device_"
+                          f"count={num_chains} (or numpyro.set_host_device_count) for more.",
+                          stacklevel=3)
+            return Lanes("each")
+        return Lanes("mapped", jax.pmap)
+    return Lanes("mapped", chain_method)
+
+
+def collected_fields(kernel, extra=()) -> tuple:
+    """The state fields collected each draw, in ``MCMC.run``'s order (sample field first)."""
+    return tuple(dict.fromkeys((kernel.sample_field, *kernel.default_fields, *extra)))
+
+
+def is_key(x) -> bool:
+    """Whether ``x`` is a typed JAX PRNG key array."""
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _strong(x):
+    # A state loaded from a file has no weak types; drop them here too, so a fresh and a
+    # resumed run call the loop with the same input types (one compiled program).
+    return x if is_key(x) else lax.convert_element_type(x, jnp.result_type(x))
+
+
+def init_states(kernel, key, lanes: Lanes, num_chains: int, num_warmup: int, init_params,
+                model_args, model_kwargs, chains=None) -> list:
+    """``kernel.init`` as ``MCMC.run`` calls it: ``[state]`` of every chain at once for a
+    batched lane, else one state per chain of ``chains`` (default: every chain; ``[0]``
+    only sets the kernel up, as a resumed run needs).
+
+    ``key`` is split into one key per chain when there are several chains. A batched
+    lane is always initialized whole: its kernel samples every chain at once.
+    """
+    if num_chains > 1 and is_prng_key(key):
+        key = jax.random.split(key, num_chains)
+
+    def one(c):
+        k = key if num_chains == 1 else key[c]
+        p = init_params if init_params is None or num_chains == 1 else \
+            jax.tree.map(lambda x: x[c], init_params)
+        return jax.tree.map(_strong, kernel.init(k, num_warmup, p, model_args, model_kwargs))
+
+    if lanes.kind == "batched":
+        return [jax.tree.map(_strong, kernel.init(key, num_warmup, init_params, model_args,
+                                                  model_kwargs))]
+    return [one(c) for c in (range(num_chains) if chains is None else chains)]
+
+
+class Segments:
+    """The compiled loop: ``run(state, buffers, lo, hi)`` makes transitions ``lo .. hi-1``.
+
+    Transition ``i`` (0-based; ``i >= num_warmup`` are draws) calls ``kernel.sample``,
+    hands the new state's figures to ``tick`` on the host, and writes the collected
+    fields of draw ``i - num_warmup`` into ``buffers`` (each of shape
+    ``(chains, num_samples, ...)`` for a batched or mapped lane, ``(num_samples, ...)``
+    for one chain). One program serves every segment of every lane of a run.
+    """
+
+    def __init__(self, kernel, lanes: Lanes, fields: tuple, num_warmup: int, num_samples: int,
+                 model_args, model_kwargs, tick):
+        self.kernel, self.lanes, self.fields = kernel, lanes, fields
+        self.num_warmup, self.num_samples = num_warmup, num_samples
+        self.args, self.kwargs = model_args, model_kwargs
+        self.tick = tick
+        batched = lanes.kind == "batched"
+        one = self._segment(batched)
+        if lanes.kind == "mapped":
+            mapped = lanes.transform(one)
+
+            def run(state, buffers, lo, hi):
+                n = jax.tree.leaves(state)[0].shape[0]
+                return mapped(state, buffers, jnp.full(n, lo, jnp.int32),
+                              jnp.full(n, hi, jnp.int32))
+
+            self._run = run if lanes.transform is jax.pmap else jax.jit(run)
+        else:
+            self._run = jax.jit(one)
+
+    def collect(self, state):
+        """The collected fields of one chain's state: ``z`` postprocessed (constrained
+        values and deterministic sites), the others as they are."""
+        values = list(attrgetter(*self.fields)(state)) if len(self.fields) > 1 else \
+            [attrgetter(self.fields[0])(state)]
+        values[0] = self.kernel.postprocess_fn(self.args, self.kwargs)(values[0])
+        return tuple(values)
+
+    def _segment(self, batched: bool):
+        kernel, args, kwargs, w = self.kernel, self.args, self.kwargs, self.num_warmup
+        collect = jax.vmap(self.collect) if batched else self.collect
+
+        def store(buffers, values, draw):
+            if batched:
+                return jax.tree.map(lambda b, v: b.at[:, draw].set(v), buffers, values)
+            return jax.tree.map(lambda b, v: b.at[draw].set(v), buffers, values)
+
+        def body(i, carry):
+            state, buffers = carry
+            state = kernel.sample(state, args, kwargs)
+            jax.debug.callback(self.tick, *figures(state))
+            buffers = lax.cond(i >= w, lambda b: store(b, collect(state), i - w),
+                               lambda b: b, buffers)
+            return state, buffers
+
+        def segment(state, buffers, lo, hi):
+            return lax.fori_loop(lo, hi, body, (state, buffers))
+
+        return segment
+
+    def run(self, state, buffers, lo: int, hi: int):
+        """Transitions ``lo .. hi-1`` from ``state``; returns the new state and buffers."""
+        return self._run(state, buffers, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
+
+
+def to_host(tree):
+    """A numpy copy of ``tree`` (typed keys as their key data): safe to keep while the
+    device arrays go on being used."""
+    return jax.tree.map(lambda x: np.array(jax.random.key_data(x) if is_key(x) else x), tree)
+
+
+def to_device(tree, like):
+    """``tree`` (from :func:`to_host` or a file) as device arrays of the dtypes of
+    ``like`` (a tree of the same structure), key data wrapped as keys again."""
+    def put(x, t):
+        if is_key(t):
+            return jax.random.wrap_key_data(jnp.asarray(x), impl=jax.random.key_impl(t))
+        return jnp.asarray(x, dtype=t.dtype)
+
+    return jax.tree.map(put, tree, like)
+
+
+class Run:
+    """A finished run as ``pb.to_arviz`` and ``arviz.from_numpyro`` read a NumPyro ``MCMC``.
+
+    Parameters
+    ----------
+    kernel : MCMCKernel
+    fields : tuple of str
+        The collected fields, sample field first.
+    buffers : tuple
+        One array tree per field, each leaf ``(chains, draws, ...)``.
+    last_state : pytree
+        Every chain's final state, stacked on a leading chain axis.
+    model_args, model_kwargs : tuple, dict
+    """
+
+    thinning = 1
+
+    def __init__(self, kernel, fields, buffers, last_state, model_args, model_kwargs):
+        self.sampler = kernel
+        self.fields = tuple(fields)
+        self._values = dict(zip(self.fields, buffers))
+        self.last_state = last_state
+        self._args, self._kwargs = tuple(model_args), dict(model_kwargs)
+        first = jax.tree.leaves(buffers[0])[0]
+        self.num_chains, self.num_samples = int(first.shape[0]), int(first.shape[1])
+
+    def _get(self, value, group_by_chain):
+        if group_by_chain:
+            return value
+        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), value)
+
+    def get_samples(self, group_by_chain: bool = False):
+        return self._get(self._values[self.fields[0]], group_by_chain)
+
+    def get_extra_fields(self, group_by_chain: bool = False) -> dict:
+        return {k: self._get(v, group_by_chain) for k, v in self._values.items()
+                if k != self.fields[0]}
