@@ -21,7 +21,8 @@ from .blocks import TilePlan, balance_blocks, plan_blocks, plan_tiles, row_bytes
 from .errors import check_count
 from .executors.registry import resolve_executor
 from .site import SiteState
-from .spec import SiteSpec, combine, detect_form
+from .forms import detect_form
+from .spec import SiteSpec, combine
 
 __all__ = ["reduce_sum"]
 

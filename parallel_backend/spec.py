@@ -8,15 +8,8 @@ site (padded into blocks, with the residuals), and the pure functions that turn
 blocks into per-block partials. Imports jax, numpy and the core's blocks and
 hoist modules.
 
-Two evaluation forms, chosen from ``fn`` alone (never from a timing):
-
-* ``"batched"``: the blocks of a tile, or of every tile at once, in one ``vmap``;
-  XLA threads it as it threads plain NumPyro. Per-block partials are the same bits
-  for any batch of whole tiles (see :mod:`.blocks`).
-* ``"looped"``: one block per iteration of a ``while`` loop whose body is the same
-  everywhere, chosen when ``fn`` itself loops (a ``scan``, as in an HMM's forward
-  algorithm): a block's working set then stays in cache, which measured faster
-  than any batch. Bitwise the same for any run of blocks by construction.
+Two evaluation forms, ``"batched"`` and ``"looped"``, are chosen from ``fn`` alone
+(see :mod:`.forms`).
 
 Every block has ``block_rows`` rows; the last is padded with copies of the last
 row, and a mask keeps the padding out of the value and of every gradient.
@@ -34,27 +27,10 @@ import numpy as np
 from jax import lax
 
 from .blocks import BlockPlan, TilePlan, tree_sum
+from .forms import blocks_pool
 from .hoist import Split, known_function, split_known, unknown_function
 
-__all__ = ["SiteSpec", "Program", "Partials", "detect_form", "blocks_pool", "combine",
-           "pad_blocks", "host_device"]
-
-FORMS = ("batched", "looped")
-#: Primitives that make ``fn`` a loop of its own (so blocks run best one at a time).
-LOOPS = frozenset({"scan", "while"})
-#: Primitives that XLA:CPU runs as jaxlib LAPACK kernels which, on a batch of
-#: matrices, hand parts of it to XLA's intra-op thread pool and *block* the pool
-#: thread they run on until those parts are done. As many such programs at once as
-#: the pool has threads then wait for each other forever (measured: two chunk
-#: programs with a batched ``solve_triangular`` on a 2-thread pool), so the host path
-#: runs fewer of them at a time (see :mod:`.host`). Foreign functions (``ffi_call``)
-#: may do the same and count too.
-POOL_BLOCKING = frozenset({
-    "cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3", "householder_product", "eigh",
-    "eig", "svd", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve", "ffi_call",
-    "custom_call",
-})
-
+__all__ = ["SiteSpec", "Program", "Partials", "combine", "pad_blocks", "host_device"]
 
 class SiteSpec(NamedTuple):
     """The static description of one ``reduce_sum`` call site (picklable with cloudpickle).
@@ -133,27 +109,6 @@ class SiteSpec(NamedTuple):
         """Rows ``[start, stop)`` of blocks ``[first_block, first_block + count)``."""
         p = self.plan
         return p.block_range(first_block)[0], p.block_range(first_block + count - 1)[1]
-
-
-def _uses(jaxpr, names) -> bool:
-    """Whether ``jaxpr`` (or a jaxpr nested in it) binds one of the primitives ``names``."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            return True
-        if any(_uses(sub, names) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
-            return True
-    return False
-
-
-def detect_form(closed) -> str:
-    """``"looped"`` when the jaxpr holds a loop (``scan``/``while``), else ``"batched"``."""
-    return "looped" if _uses(closed.jaxpr, LOOPS) else "batched"
-
-
-def blocks_pool(closed) -> bool:
-    """Whether ``fn``'s jaxpr runs a kernel that blocks a thread of XLA's CPU pool
-    (see :data:`POOL_BLOCKING`)."""
-    return _uses(closed.jaxpr, POOL_BLOCKING)
 
 
 class Partials(NamedTuple):

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel_backend.blocks import (MIN_BLOCK_ROWS, MIN_BLOCKS, TARGET_BLOCK_BYTES, BlockPlan,
-                                     plan_blocks, tree_sum)
+from parallel_backend.blocks import (MIN_BLOCK_ROWS, MIN_BLOCKS, SMALL_BLOCKS, SMALL_SPLIT_ROWS,
+                                     TARGET_BLOCK_BYTES, BlockPlan, plan_blocks, tree_sum)
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
 
 # -- plan_blocks ---------------------------------------------------------------------------
@@ -16,7 +16,8 @@ from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, spli
     (0, None, BlockPlan(0, 1, 0, 0)),
     (1, None, BlockPlan(1, 1, 1, 0)),
     (1000, None, BlockPlan(1000, 1000, 1, 0)),
-    (10_000, None, BlockPlan(10_000, 10_000, 1, 0)),
+    (4000, None, BlockPlan(4000, 4000, 1, 0)),
+    (10_000, None, BlockPlan(10_000, 2512, 3, 2464)),
     (100_000, None, BlockPlan(100_000, 4096, 24, 1696)),
     (1000, 256, BlockPlan(1000, 256, 3, 232)),
     (1024, 256, BlockPlan(1024, 256, 4, 0)),
@@ -27,7 +28,7 @@ def test_plan_blocks(n_rows, block_rows, expected):
     assert plan_blocks(n_rows, block_rows) == expected
 
 
-@pytest.mark.parametrize("n_rows", [0, 1, 7, 1023, 1024, 1025, 65_537, 1_000_000, 10**8])
+@pytest.mark.parametrize("n_rows", [0, 1, 7, 1023, 1024, 1025, 4096, 30_000, 65_537, 1_000_000, 10**8])
 def test_default_plan_tiles_the_rows(n_rows):
     plan = plan_blocks(n_rows)
     assert plan.n_full * plan.block_rows + plan.tail_rows == n_rows
@@ -41,6 +42,8 @@ def test_default_plan_tiles_the_rows(n_rows):
         assert plan.block_rows & (plan.block_rows - 1) == 0  # a power of two
         assert plan.block_rows * 8 <= 2 * TARGET_BLOCK_BYTES
         assert plan.n_blocks >= MIN_BLOCKS
+    elif n_rows >= SMALL_SPLIT_ROWS:
+        assert plan.n_blocks == SMALL_BLOCKS
     else:
         assert plan.n_blocks <= 1
 

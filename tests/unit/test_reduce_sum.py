@@ -25,7 +25,7 @@ def value_and_grads(f, args):
 
 
 @pytest.mark.parametrize("name", ["logistic", "normal_array", "random_effects", "poisson_nested",
-                                  "negbin", "hmm"])
+                                  "negbin", "hmm", "newton"])
 def test_value_and_grad_match_unsplit_sum(x64, executor, make_problem, assert_close, name):
     problem = make_problem(name)
     got = value_and_grads(problem.split(executor, block_rows=BLOCK_ROWS), problem.args)

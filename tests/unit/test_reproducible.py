@@ -89,10 +89,21 @@ def test_bitwise_identical_to_serial_under_vmap(executor, make_problem, referenc
     check(problem, executor, GRAINSIZES[grainsize], reference(True), True, assert_identical)
 
 
-@pytest.mark.parametrize("name", ["logistic", "negbin", "hmm"])
+@pytest.mark.parametrize("name", ["logistic", "negbin", "hmm", "newton"])
 def test_bitwise_identical_across_likelihoods(fresh_executor, make_problem, reference,
                                               assert_identical, name):
     problem, executor = make_problem(name, n=N), fresh_executor("thread2-host")
     for grainsize in ["three-blocks", "adaptive"]:
         check(problem, executor, GRAINSIZES[grainsize], reference(False, name), False,
               assert_identical)
+
+
+@pytest.mark.parametrize("name, form", [("hmm", "looped"), ("newton", "batched"),
+                                        ("negbin", "batched")])
+def test_evaluation_form_follows_fn(fresh_executor, make_problem, name, form):
+    """A ``scan`` (whose gradient keeps every step's residuals) runs one block at a time;
+    a ``while_loop`` alone or elementwise work runs as one batch of blocks."""
+    problem, executor = make_problem(name, n=N), fresh_executor("serial")
+    evaluate(problem, executor, None)
+    (site,) = executor.stats()["sites"]
+    assert site["form"] == form
