@@ -1,12 +1,20 @@
 """The linear-regression problem that the NUTS, sampling, dask and device tests share,
 written once: its data, its pointwise log-likelihood, and the model both through
-``pb.factor`` and as plain NumPyro. A plain module (no fixtures), so that the device
-script, which runs outside pytest, imports it as the tests do.
+``pb.factor`` and as plain NumPyro; and a dask cluster started with the command line
+(:func:`cli_cluster`) for the dask and checkpoint tests. A plain module (no fixtures),
+so that the device script, which runs outside pytest, imports it as the tests do.
 
     y_i ~ Normal(alpha + beta * x_i, sigma),  alpha, beta ~ Normal(0, 5),  sigma ~ HalfNormal(2)
 """
 
 from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -48,3 +56,40 @@ def plain_regression_model(data):
     """The same model in plain NumPyro (an observed ``"y"`` site)."""
     alpha, beta, sigma = regression_priors()
     numpyro.sample("y", dist.Normal(alpha + beta * data["x"], sigma), obs=data["y"])
+
+
+@contextlib.contextmanager
+def cli_cluster(folder, workers: int = 2):
+    """A scheduler and ``workers`` workers (one thread, no nanny: a killed worker stays
+    dead) started with the dask command line on 127.0.0.1; yields ``(address, procs)``
+    with the scheduler first. Every process is gone when the block ends."""
+    from distributed import Client
+
+    sched_file = os.path.join(folder, f"scheduler-{time.monotonic_ns()}.json")
+    dask = [os.path.join(os.path.dirname(sys.executable), "dask")]
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0",
+                                      "--no-dashboard", "--scheduler-file", sched_file], **quiet)]
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(sched_file) and time.time() < deadline:
+            time.sleep(0.1)
+        with open(sched_file) as f:
+            address = json.load(f)["address"]
+        for _ in range(workers):
+            procs.append(subprocess.Popen(
+                dask + ["worker", address, "--nthreads", "1", "--no-dashboard", "--no-nanny",
+                        "--host", "127.0.0.1"], **quiet))
+        with Client(address, timeout=60) as c:  # every worker up before the block starts
+            c.wait_for_workers(workers, timeout=60)
+        yield address, procs
+    finally:
+        for p in procs[1:]:
+            p.kill()
+        procs[0].terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

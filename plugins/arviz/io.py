@@ -12,6 +12,7 @@ and numpy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import arviz as az
@@ -58,7 +59,8 @@ def save(idata, path) -> str:
         for group, attrs in originals:
             target = idata.attrs if group is None else getattr(idata, group).attrs
             target.update(_encode(attrs, group))
-        _replace(path, idata.to_netcdf)
+        with _local_lock():
+            _replace(path, idata.to_netcdf)
     finally:
         for group, attrs in originals:
             target = idata.attrs if group is None else getattr(idata, group).attrs
@@ -114,6 +116,18 @@ def read_groups(path) -> tuple:
         ds.close()
         groups[name].attrs = _decode(groups[name].attrs)
     return _decode(lazy.attrs), groups
+
+
+def _local_lock():
+    """A block in which xarray locks files with a process-local lock. With a
+    dask.distributed client as dask's default scheduler it would take a lock on the
+    scheduler for every variable written: a round trip each, and a save that fails when
+    the scheduler is gone (a checkpoint is needed most then)."""
+    try:
+        import dask
+    except ImportError:
+        return contextlib.nullcontext()
+    return dask.config.set(scheduler="synchronous")
 
 
 def _replace(path: str, write) -> None:

@@ -5,7 +5,9 @@ This module owns the cluster side of a
 scheduler, with an error that says what to check), :func:`local_cluster` (worker
 processes on this machine, each told how many XLA threads to use), and
 :class:`Liveness` (the workers last seen, those that failed us recently, waiting
-for one to come back). Imports distributed and the core's interface.
+for one to come back, and whether the scheduler is still there: a lost scheduler is a
+:func:`scheduler_lost` error that says what to do). Imports distributed and the core's
+interface.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from parallel_backend.extend import check_count, cpu_count
 
 from .protocol import QUARANTINE_SECONDS
 
-__all__ = ["connect", "local_cluster", "Liveness", "worker_env"]
+__all__ = ["connect", "local_cluster", "Liveness", "worker_env", "scheduler_lost"]
 
 #: Eigen's own thread pool off on workers: the worker's threads are the parallelism.
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -38,7 +40,8 @@ def connect(address: str, timeout: float) -> Client:
     if not isinstance(address, str) or "://" not in address and ":" not in address:
         raise ValueError(f"DaskExecutor: address must look like 'tcp://host:port', got {address!r}")
     try:
-        return Client(address, timeout=timeout)
+        # Not dask's default scheduler: the executor's client is for its own work only.
+        return Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"DaskExecutor: no dask scheduler answered at {address!r} within "
                               f"{timeout:g} s ({type(e).__name__}: {e}). Is `dask scheduler` "
@@ -66,6 +69,19 @@ def local_cluster(n_workers, threads_per_worker) -> LocalCluster:
                             env=worker_env(xla_threads))
 
 
+def scheduler_lost(address: str, why) -> ConnectionError:
+    """The error of an evaluation whose scheduler went away (killed, crashed, network);
+    ``why`` is the failure seen (an exception or a sentence)."""
+    if isinstance(why, BaseException):
+        why = f"{type(why).__name__}: {why}"
+    return ConnectionError(
+        f"DaskExecutor: lost the scheduler at {address}: it stopped answering "
+        f"({why}), so the evaluation cannot go on. Start the "
+        f"cluster again (`dask scheduler`, then `dask worker <its address>`) and use a new "
+        f"DaskExecutor on it; a pb.sample run with checkpoint= continues from its last "
+        f"checkpoint when called again")
+
+
 class Liveness:
     """The workers of a cluster as last seen, less those that failed recently."""
 
@@ -75,10 +91,16 @@ class Liveness:
         self.nthreads = dict(nthreads)
         self.failures = 0
         self._quarantine: dict = {}  # address -> time it failed
+        # Kept: a client that lost its scheduler forgets the address.
+        self.scheduler_address = client.scheduler.address
 
-    @property
-    def scheduler_address(self) -> str:
-        return self.client.scheduler.address
+    def check(self) -> None:
+        """Raise :func:`scheduler_lost` if the client has lost its scheduler (it is
+        reconnecting, or gave up): an evaluation would only wait for it."""
+        status = self.client.status
+        if status != "running":
+            raise scheduler_lost(self.scheduler_address, "the client is trying to reconnect"
+                                 if status == "connecting" else f"the client is {status}")
 
     def lose(self, address: str) -> None:
         """``address`` did not answer: keep it out of the rotation for a while."""
@@ -87,7 +109,11 @@ class Liveness:
 
     async def alive(self) -> dict:
         """Workers the scheduler lists now, less those that just failed us."""
-        info = await self.client.scheduler.identity()
+        self.check()
+        try:
+            info = await self.client.scheduler.identity()
+        except (OSError, CommClosedError) as e:
+            raise scheduler_lost(self.scheduler_address, e) from e
         now = time.monotonic()
         self._quarantine = {a: t for a, t in self._quarantine.items()
                             if now - t < QUARANTINE_SECONDS}

@@ -6,7 +6,9 @@ one message with the traced values of its chunks and the shared parameters
 (:mod:`.protocol`), install data a worker lacks, and re-assign the chunks of a
 worker that died to those that remain (:mod:`.cluster`). Since every block is
 computed by the same code on the same prepared data, a re-assigned chunk gives
-the same bits. With no worker left, an evaluation fails after ``timeout``.
+the same bits. With no worker left, an evaluation fails after ``timeout``; with the
+scheduler gone, at once (or once the client's reconnection times out), with a
+``ConnectionError`` that names the scheduler and says what to do.
 
 Imports the core's interface, numpy, cloudpickle and distributed.
 """
@@ -100,7 +102,7 @@ class DaskExecutor(Executor):
             self._client = cluster.connect(address, self.timeout)
         else:
             self._cluster = cluster.local_cluster(n_workers, threads_per_worker)
-            self._client = Client(self._cluster, timeout=self.timeout)
+            self._client = Client(self._cluster, timeout=self.timeout, set_as_default=False)
         self._plugin = f"parallel_backend-{uuid.uuid4().hex[:12]}"
         self._remotes: dict = {}  # id(state) -> RemoteSite
         # (data token, shards) -> shard placement, shared by every site over the same data,
@@ -128,7 +130,7 @@ class DaskExecutor(Executor):
 
     @property
     def scheduler_address(self) -> str:
-        return self._client.scheduler.address
+        return self._live.scheduler_address
 
     @property
     def dashboard_link(self) -> str | None:
@@ -158,7 +160,15 @@ class DaskExecutor(Executor):
         per = max(1, max(c.count for c in chunks) // tiles.tile_blocks) if chunks else 1
         # Chunks never straddle shards: each shard's data lives on one worker.
         tasks = [(i, c) for i, s in enumerate(r.shards) for c in chunks_within(tiles, s, per)]
-        results = self._client.sync(self._run, r, tasks, evaluation)
+        self._live.check()
+        try:
+            results = self._client.sync(self._run, r, tasks, evaluation)
+        except (OSError, CommClosedError, RuntimeError) as e:
+            # Failures of a client that lost its scheduler (its connection pool closes
+            # under the evaluation) are that loss, whatever they say.
+            if isinstance(e, ChunkError) or self._client.status == "running":
+                raise
+            raise cluster.scheduler_lost(self._live.scheduler_address, e) from e
         return [results[t] for t in tasks]
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:

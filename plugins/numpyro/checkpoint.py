@@ -85,7 +85,7 @@ def fingerprint(model, kernel, settings: dict, model_args, model_kwargs) -> dict
     Executors among the model's arguments are left out: a run may continue on any.
     """
     args = {"args": tuple(model_args), "kwargs": dict(model_kwargs)}
-    out = {"model": _name(model), "kernel": _describe_kernel(kernel)}
+    out = {"model": repr(_name(model)), "kernel": _describe_kernel(kernel)}
     out.update({k: _describe(v) for k, v in settings.items()})
     out["model arguments"] = _structure(args)
     out["model argument values"] = _digest(args)

@@ -7,11 +7,9 @@ gradients with ``jax.value_and_grad`` of the unsplit sum).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -252,34 +250,8 @@ def test_client_and_address_together_is_an_error(client):
 @pytest.fixture
 def cli_cluster(tmp_path):
     """A scheduler and two workers started with the dask command line, on 127.0.0.1."""
-    sched_file = tmp_path / "scheduler.json"
-    dask = [os.path.join(os.path.dirname(sys.executable), "dask")]
-    procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0",
-                                      "--no-dashboard", "--scheduler-file", str(sched_file)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.time() + 60
-        while not sched_file.exists() and time.time() < deadline:
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
-        for _ in range(2):
-            procs.append(subprocess.Popen(
-                dask + ["worker", address, "--nthreads", "1", "--no-dashboard", "--no-nanny",
-                        "--host", "127.0.0.1"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        with Client(address, timeout=60) as c:  # both workers up before the test starts
-            c.wait_for_workers(2, timeout=60)
-        yield address, procs
-    finally:
-        for p in procs[1:]:
-            p.kill()
-        procs[0].terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    with helpers.cli_cluster(str(tmp_path)) as cluster:
+        yield cluster
 
 
 def test_command_line_cluster_samples(cli_cluster, x64):
