@@ -134,7 +134,9 @@ class Liveness:
                 raise RuntimeError(
                     f"DaskExecutor: no workers left in the cluster at {self.scheduler_address} "
                     f"(waited {self.timeout:g} s for one to come back); the evaluation cannot go "
-                    "on. Start workers, or use another executor.")
+                    f"on. Start workers (`dask worker {self.scheduler_address}`), or use another "
+                    "executor; a pb.sample run with checkpoint= continues from its last "
+                    "checkpoint when called again.")
             await asyncio.sleep(0.1)
 
 

@@ -29,6 +29,8 @@ import numpy as np
 
 import parallel_backend as pb
 
+from .driver import is_key
+
 __all__ = ["FORMAT", "CheckpointError", "Saved", "fingerprint", "signature", "draw_names",
            "read", "check", "write", "finish"]
 
@@ -136,14 +138,11 @@ def _leaves(tree):
 
 
 def _host(x):
-    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x)
+    return np.asarray(jax.random.key_data(x) if is_key(x) else x)
 
 
 def _shape(x) -> str:
-    x = _host(x) if not hasattr(x, "shape") else x
-    return f"{np.dtype(x.dtype).name if not hasattr(x.dtype, 'impl') else 'key'}{list(x.shape)}"
+    return f"{x.dtype if is_key(x) else np.dtype(x.dtype).name}{list(x.shape)}"
 
 
 def _structure(tree) -> str:

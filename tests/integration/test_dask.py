@@ -274,9 +274,12 @@ def test_no_workers_left_is_a_clear_error_not_a_hang(cli_cluster, x64):
             p.send_signal(signal.SIGKILL)
             p.wait()
         t0 = time.time()
-        with pytest.raises(Exception, match="no workers left"):
+        with pytest.raises(Exception, match="no workers left") as info:
             jax.block_until_ready(f(0.5))
         assert time.time() - t0 < 30
+    message = str(info.value)
+    assert f"cluster at {address}" in message and f"`dask worker {address}`" in message, message
+    assert "continues from its last checkpoint" in message
 
 
 def test_new_executor_on_a_scheduler_whose_workers_died_says_so(cli_cluster, x64):
