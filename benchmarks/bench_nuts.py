@@ -51,7 +51,7 @@ def make_model(name, n, dtype, executor):
     return model
 
 
-def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
+def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_depth=10):
     """Wall seconds of warmup + sampling (compilation included), then milliseconds per
     gradient in a second sampling run from where the first ended (compiled by then):
     its wall over its leapfrog steps. Returns ``(seconds, ms_per_grad, grads, stats)``."""
@@ -61,13 +61,13 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
     import parallel_backend as pb
 
     if variant == "plain_1core":  # the ceiling reference: plain pinned to one core
-        return _pinned(name, n, dtype, chains, warmup, samples, seed)
+        return _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth)
     executor = {"plain": lambda: None, "serial": pb.SerialExecutor, "thread": pb.ThreadExecutor,
                 "thread_host": lambda: pb.ThreadExecutor(dispatch="host"),
                 "device": pb.DeviceExecutor,
                 "device_host": lambda: pb.DeviceExecutor(dispatch="host")}[variant]()
     model = make_model(name, n, dtype, executor)
-    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, num_chains=chains,
+    mcmc = MCMC(NUTS(model, max_tree_depth=max_tree_depth), num_warmup=warmup, num_samples=samples, num_chains=chains,
                 chain_method="vectorized", progress_bar=False)
     t0 = time.perf_counter()
     mcmc.run(jax.random.PRNGKey(seed), extra_fields=("num_steps",))
@@ -86,12 +86,13 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed):
     return seconds, ms_per_grad, grads, stats
 
 
-def _pinned(name, n, dtype, chains, warmup, samples, seed):
+def _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth):
     """``plain`` in a child process pinned to core 0 (``taskset``)."""
     import subprocess
 
     cmd = ["taskset", "-c", "0", sys.executable, os.path.abspath(__file__), "--one",
-           json.dumps([name, n, np_name(dtype), "plain", chains, warmup, samples, seed])]
+           json.dumps([name, n, np_name(dtype), "plain", chains, warmup, samples, seed,
+                       max_tree_depth])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     seconds, ms, grads = json.loads(out.strip().splitlines()[-1])
     return seconds, ms, grads, {}
@@ -115,6 +116,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tree-depth", type=int, default=10,
+                    help="NUTS max_tree_depth for every variant (smaller: shorter runs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-devices", type=int, default=None,
                     help="force this many host CPU devices (for the device variants)")
@@ -131,8 +134,9 @@ def main(argv=None):
     import numpy as np
 
     if args.one:  # one plain run, for plain_1core's child process
-        name, n, dtype, variant, chains, warmup, samples, seed = json.loads(args.one)
-        s, ms, grads, _ = run_one(name, n, np.dtype(dtype), variant, chains, warmup, samples, seed)
+        name, n, dtype, variant, chains, warmup, samples, seed, depth = json.loads(args.one)
+        s, ms, grads, _ = run_one(name, n, np.dtype(dtype), variant, chains, warmup, samples, seed,
+                                  depth)
         print(json.dumps([s, ms, grads]))
         return
     cores = len(os.sched_getaffinity(0))
@@ -152,7 +156,8 @@ def bench_one(args, name, n, chains, cores):
     for rep in range(args.repeats):
         for v in times:  # interleaved, so drift hits every variant alike
             s, ms, grads, stats = run_one(name, n, np.dtype(args.dtype), v, chains,
-                                          args.warmup, args.samples, seed=rep)
+                                          args.warmup, args.samples, seed=rep,
+                                          max_tree_depth=args.max_tree_depth)
             times[v].append(s)
             per_grad[v].append(ms)
             info[v] = dict(grads=grads, sites=stats.get("sites"))
@@ -166,6 +171,8 @@ def bench_one(args, name, n, chains, cores):
     if args.json:
         with open(args.json, "a") as fh:
             fh.write(json.dumps(dict(model=name, n=n, dtype=args.dtype, chains=chains,
+                                     warmup=args.warmup, samples=args.samples,
+                                     max_tree_depth=args.max_tree_depth,
                                      cores=cores, devices=len(jax.devices()), seconds=med,
                                      ms_per_grad=ms, info=info)) + "\n")
 

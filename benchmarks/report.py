@@ -47,17 +47,39 @@ def gradient_table(rows):
 
 
 def nuts_table(rows):
-    out = ["| model | N | dtype | chains | plain s | serial | thread (auto) | thread (host) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    """Per model, size, dtype and chain count: NUTS wall time (warmup and compilation
+    included) and milliseconds per gradient inside NUTS, as ratios to plain."""
+    variants = ("serial", "thread", "thread_host", "plain_1core")
+    out = ["| model | N | dtype | chains | plain s | "
+           + " | ".join(f"{v} (wall)" for v in variants)
+           + " | plain ms/grad | " + " | ".join(f"{v} (ms/grad)" for v in variants) + " |",
+           "|---|---:|---|---:|---:|" + "---:|" * (2 * len(variants) + 1)]
+    for r in rows:
+        s, g = r["seconds"], r.get("ms_per_grad", {})
+
+        def ratio(d, k):
+            return f"{d['plain'] / d[k]:.2f}x" if k in d and "plain" in d else "-"
+
+        out.append(f"| {r['model']} | {r['n']:,} | {r['dtype']} | {r['chains']} | "
+                   f"{s['plain']:.1f} | " + " | ".join(ratio(s, v) for v in variants)
+                   + f" | {g.get('plain', float('nan')):.2f} | "
+                   + " | ".join(ratio(g, v) for v in variants) + " |")
+    return "\n".join(out)
+
+
+def scaling_table(rows):
+    """Per likelihood and worker count: threads against plain pinned to one core."""
+    out = ["| likelihood | N | dtype | workers | plain ms (as many cores) | threads ms | "
+           "threads vs 1-core plain | efficiency | plain's own scaling |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    one = {(r["likelihood"], r["dtype"]): r["seconds"]["plain"] for r in rows if r["workers"] == 1}
     for r in rows:
         s = r["seconds"]
-        plain = s["plain"]
-
-        def ratio(k):
-            return f"{plain / s[k]:.2f}x" if k in s else "-"
-
-        out.append(f"| {r['model']} | {r['n']:,} | {r['dtype']} | {r['chains']} | {plain:.1f} | "
-                   f"{ratio('serial')} | {ratio('thread')} | {ratio('thread_host')} |")
+        base = one.get((r["likelihood"], r["dtype"]), float("nan"))
+        out.append(f"| {r['likelihood']} | {r['n']:,} | {r['dtype']} | {r['workers']} | "
+                   f"{s['plain'] * 1e3:.2f} | {s['threads'] * 1e3:.2f} | "
+                   f"{base / s['threads']:.2f}x | {base / s['threads'] / r['workers']:.2f} | "
+                   f"{base / s['plain']:.2f}x |")
     return "\n".join(out)
 
 
@@ -65,7 +87,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     for path in argv:
         rows = load(path)
-        if rows and "likelihood" in rows[0]:
+        if rows and "workers" in rows[0]:
+            print(scaling_table(rows))
+        elif rows and "likelihood" in rows[0]:
             print(gradient_table(rows))
         elif rows:
             print(nuts_table(rows))
