@@ -3,13 +3,19 @@
 A checkpoint is a netCDF file (written by :func:`parallel_backend.plugins.arviz.save`,
 so atomically) with the draws so far in ``posterior`` and ``sample_stats`` (full size,
 ``attrs["draws_done"]`` per chain made), every chain's sampler state in a
-``sampler_state`` group (the leaves of NumPyro's state, stacked on a chain axis, and
-``done``, the transitions each chain has made), and in ``attrs`` the run's
+``sampler_state`` group (``state``: the bytes of the leaves of NumPyro's state, one
+row per chain, and ``done``, the transitions each chain has made), and in ``attrs`` the
+run's
 *fingerprint*: the settings, the model's name, the structure and a digest of its
 arguments, and the structure of the sampler state and of the draws. A second call of
 ``pb.sample`` continues a file only if its fingerprint is this run's; otherwise
 :class:`CheckpointError` lists what differs. When the run has finished, the file is
 replaced by the whole run (``attrs["checkpoint_status"] == "finished"``).
+
+The state is kept as raw bytes, one variable instead of one per leaf: exact by
+construction, and a netCDF variable costs milliseconds to write, which a checkpoint pays
+every ``checkpoint_every`` iterations. :func:`pack`/:func:`unpack` convert; the
+structure that gives the bytes their meaning is in the fingerprint.
 
 Owns :data:`FORMAT`, :func:`fingerprint`, :func:`signature`, :func:`read`,
 :func:`check`, :func:`write` and :func:`finish`. Imports numpy and jax; xarray and the ArviZ plugin
@@ -22,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 from typing import NamedTuple
 
 import jax
@@ -32,7 +39,7 @@ import parallel_backend as pb
 from .driver import is_key
 
 __all__ = ["FORMAT", "CheckpointError", "Saved", "fingerprint", "signature", "draw_names",
-           "read", "check", "write", "finish"]
+           "pack", "unpack", "read", "check", "write", "finish"]
 
 #: The layout of the files this version writes and reads.
 FORMAT = 1
@@ -62,8 +69,8 @@ class Saved(NamedTuple):
         The file holds the whole run (an ``InferenceData``; nothing else is read).
     done : numpy.ndarray or None
         Transitions made per chain.
-    state : list or None
-        The sampler state's leaves, stacked on a chain axis, in tree order.
+    state : numpy.ndarray or None
+        The sampler state's leaves as bytes, ``(chains, bytes)`` (see :func:`unpack`).
     draws : dict or None
         ``{(group, name): (chains, draws, ...) array}``, named as by :func:`draw_names`.
     """
@@ -92,6 +99,7 @@ def fingerprint(model, kernel, settings: dict, model_args, model_kwargs) -> dict
     out["model arguments"] = _structure(args)
     out["model argument values"] = _digest(args)
     out["precision"] = "float64" if jax.config.jax_enable_x64 else "float32"
+    out["byte order"] = sys.byteorder  # of the state's bytes
     return out
 
 
@@ -122,8 +130,9 @@ def _describe(v) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k!r}: {_describe(x)}" for k, x in sorted(v.items(), key=str)) + "}"
     if isinstance(v, functools.partial):
-        kw = ", ".join(f"{k}={_describe(x)}" for k, x in sorted(v.keywords.items()))
-        return f"{_describe(v.func)}({', '.join([*map(_describe, v.args), kw]) if kw else ''})"
+        parts = [*map(_describe, v.args),
+                 *(f"{k}={_describe(x)}" for k, x in sorted(v.keywords.items()))]
+        return f"{_describe(v.func)}({', '.join(parts)})"
     if hasattr(v, "shape") and hasattr(v, "dtype"):
         return f"{_shape(v)}#{_digest(v)[:16]}"
     if callable(v):
@@ -163,6 +172,29 @@ def _digest(tree) -> str:
         else:
             h.update(_describe(x).encode())
     return h.hexdigest()
+
+
+def pack(leaves) -> np.ndarray:
+    """The sampler state's leaves (each ``(chains, ...)``) as one ``(chains, bytes)``
+    ``uint8`` array: each chain's leaves' bytes, one after another in tree order."""
+    rows = [b"".join(np.ascontiguousarray(x[c]).tobytes() for x in leaves)
+            for c in range(leaves[0].shape[0])]
+    return np.stack([np.frombuffer(r, np.uint8) for r in rows])
+
+
+def unpack(packed, like) -> list:
+    """The leaves :func:`pack` packed, given one chain's leaves (or their shapes and
+    dtypes) ``like``, in tree order."""
+    out, start = [], 0
+    for t in like:
+        size = np.dtype(t.dtype).itemsize * int(np.prod(t.shape))
+        out.append(np.stack([np.frombuffer(row[start:start + size].tobytes(), t.dtype)
+                             .reshape(t.shape) for row in packed]))
+        start += size
+    if start != packed.shape[1]:
+        raise CheckpointError(f"sample: a checkpoint's sampler state has {packed.shape[1]} bytes "
+                              f"per chain where this run's has {start}")
+    return out
 
 
 def draw_names(fields, buffers) -> list:
@@ -222,13 +254,16 @@ def read(path) -> Saved | None:
     fp = json.loads(attrs["checkpoint_fingerprint"])
     if attrs.get("checkpoint_status") == "finished":
         return Saved(attrs, fp, True)
-    st = groups["sampler_state"]
-    leaves = [st[f"leaf_{i}"].values for i in range(int(st.attrs["leaves"]))]
+    st = groups.get("sampler_state")
+    if st is None:
+        raise CheckpointError(f"sample: the checkpoint {path!r} has no sampler_state group, so "
+                              "it cannot be continued. Pass another checkpoint path, or delete "
+                              "the file to start over; it was not changed.")
     draws = {(g, name): groups[g][name].values for g in ("posterior", "sample_stats")
              if g in groups for name in groups[g].data_vars}
     if ("sample_stats", "lp") in draws:  # stored as ArviZ's lp: back to the potential energy
         draws["sample_stats", "lp"] = -draws["sample_stats", "lp"]
-    return Saved(attrs, fp, False, np.asarray(st["done"].values), leaves, draws)
+    return Saved(attrs, fp, False, np.asarray(st["done"].values), st["state"].values, draws)
 
 
 def check(saved: Saved, current: dict, path) -> None:
@@ -270,7 +305,8 @@ def write(path, *, attrs: dict, state_leaves, draws: dict, done, num_warmup: int
     attrs : dict
         Root attributes, the fingerprint (as ``checkpoint_fingerprint``, JSON) included.
     state_leaves : list of numpy.ndarray
-        The sampler state's leaves, stacked on a chain axis (typed keys as key data).
+        The sampler state's leaves, stacked on a chain axis (typed keys as key data);
+        stored packed (:func:`pack`).
     draws : dict
         ``{(group, name): (chains, draws, ...) array}``.
     done : sequence of int
@@ -292,10 +328,8 @@ def write(path, *, attrs: dict, state_leaves, draws: dict, done, num_warmup: int
     datasets = {g: xr.Dataset(v, coords={"chain": np.arange(n_chains),
                                          "draw": np.arange(next(iter(v.values()))[1].shape[1])})
                 for g, v in groups.items()}
-    state = {f"leaf_{i}": (("chain",) + tuple(f"leaf_{i}_dim_{j}" for j in range(1, x.ndim)), x)
-             for i, x in enumerate(state_leaves)}
-    state["done"] = (("chain",), done)
-    datasets["sampler_state"] = xr.Dataset(state, attrs={"leaves": len(state_leaves)})
+    datasets["sampler_state"] = xr.Dataset({"state": (("chain", "state_byte"), pack(state_leaves)),
+                                            "done": (("chain",), done)})
     idata = az.InferenceData(**datasets)
     idata.attrs.update(attrs)
     idata.attrs.update({"checkpoint_format": FORMAT, "checkpoint_status": "running",

@@ -197,7 +197,8 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
                 if saved is not None:
                     ckpt.check(saved, signature, path)
                     names = ckpt.draw_names(fields, draws)
-                    chains.restore(saved.state, [saved.draws[n] for n in names], saved.done)
+                    chains.restore(ckpt.unpack(saved.state, jax.tree.leaves(to_host(one))),
+                                   [saved.draws[n] for n in names], saved.done)
                 fingerprint.update(signature)
                 on_segment = _writer(path, chains, fields, draws, fingerprint, history, progress)
             chains.run(checkpoint_every if path is not None else None, on_segment)
