@@ -24,6 +24,7 @@ import numpy as np
 import parallel_backend as pb
 from parallel_backend.extend import row_bytes
 
+from .profile_nuts import nuts_iterations, nuts_ms_per_gradient
 from .profile_report import ProfileReport, ProfileRow
 from .profile_timing import (executors_to_profile, gradient_fn, identical, initial_params,
                              time_interleaved)
@@ -35,7 +36,7 @@ __all__ = ["profile", "ProfileReport", "ProfileRow", "MARGIN"]
 MARGIN = 1.1
 
 
-def profile(model, *model_args, executors=None, **model_kwargs):
+def profile(model, *model_args, executors=None, nuts=True, **model_kwargs):
     """Time one gradient of ``model``'s log-density in plain NumPyro and on each executor.
 
     Finds the model's ``pb.factor`` sites and builds, per variant, the jitted value
@@ -62,6 +63,11 @@ def profile(model, *model_args, executors=None, **model_kwargs):
         objects (profiled as ``DaskExecutor(client=...)``) and ``"local"`` (the
         defaults above); a dict maps labels to such entries. Executors made here
         are closed before returning.
+    nuts : bool
+        When an executor beats plain NumPyro per isolated gradient, also run NUTS
+        briefly (trees of at most 15 steps, a few seconds each) in plain NumPyro and on
+        that executor, report milliseconds per gradient inside the sampler
+        (``report.nuts``), and recommend the executor only if it wins there too.
 
     Returns
     -------
@@ -94,14 +100,14 @@ def profile(model, *model_args, executors=None, **model_kwargs):
     """
     targets = executors_to_profile(executors)
     try:
-        return _profile(model, model_args, model_kwargs, targets)
+        return _profile(model, model_args, model_kwargs, targets, nuts)
     finally:
         for _, ex, owned in targets:
             if owned:
                 ex.close()
 
 
-def _profile(model, model_args, model_kwargs, targets):
+def _profile(model, model_args, model_kwargs, targets, nuts=True):
     with quietly():
         sites = factor_sites(trace_model(model, model_args, model_kwargs))
         if not sites:
@@ -124,7 +130,28 @@ def _profile(model, model_args, model_kwargs, targets):
     site_info = _site_info(sites, [ex for _, ex in variants[1:]])
     samples = {row.executor: list(t) for row, t in zip(rows, timed.times)}
     recommendation, best = _recommend(rows, site_info, samples)
-    return ProfileReport(rows, site_info, recommendation, best, samples)
+    in_nuts = None
+    if nuts and best is not None:
+        ex = variants[rows.index(best)][1]
+        draws = nuts_iterations(rows[0].seconds)
+        with quietly():
+            plain = nuts_ms_per_gradient(model, model_args, model_kwargs, None, draws)
+        on_ex = nuts_ms_per_gradient(model, model_args, model_kwargs, ex, draws)
+        in_nuts = {"plain NumPyro": plain, best.executor: on_ex}
+        recommendation, best = _check_in_nuts(recommendation, best, plain, on_ex)
+    return ProfileReport(rows, site_info, recommendation, best, samples, in_nuts)
+
+
+def _check_in_nuts(recommendation, best, plain, on_ex):
+    """The recommendation after the short NUTS runs: kept (with the figure) only when
+    the executor beats plain NumPyro by the margin inside NUTS too."""
+    ratio = plain.ms_per_gradient / on_ex.ms_per_gradient
+    if ratio < MARGIN:
+        return (f"stay with plain NumPyro: {best.executor} was {best.speedup:.2f}x faster per "
+                f"isolated gradient evaluation but {ratio:.2f}x inside NUTS "
+                f"({on_ex.ms_per_gradient:.2f} against {plain.ms_per_gradient:.2f} ms per "
+                "gradient)"), None
+    return f"{recommendation}, {ratio:.2f}x inside a short NUTS run", best
 
 
 def _rows(labels, executors, timed) -> list:

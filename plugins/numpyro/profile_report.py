@@ -81,10 +81,15 @@ class ProfileReport:
     samples : dict
         Per variant (by ``executor`` label): the seconds of every timed round, in
         order, whose median is the row's ``seconds``.
+    nuts : dict or None
+        When an executor beat plain NumPyro per isolated gradient: the short NUTS runs
+        that checked it, ``{label: NutsTiming}`` for plain NumPyro and that executor
+        (milliseconds per gradient inside the sampler); ``None`` otherwise.
     """
 
-    def __init__(self, rows, sites, recommendation, best, samples=None):
+    def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None):
         self.rows = list(rows)
+        self.nuts = nuts
         self.samples = samples or {}
         self.sites = list(sites)
         self.recommendation = recommendation
@@ -135,8 +140,13 @@ class ProfileReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         sites = "; ".join(f"{s['name']}: {s['rows']:,} rows in blocks of {s['block_rows']:,}"
                           for s in self.sites)
+        nuts = []
+        if self.nuts:
+            nuts = ["inside NUTS (" + ", ".join(
+                f"{label}: {t.ms_per_gradient:.3f} ms/grad over {t.gradients} gradients"
+                for label, t in self.nuts.items()) + ")"]
         return "\n".join([f"pb.profile: one value-and-gradient evaluation ({sites})", *lines,
-                          f"recommendation: {self.recommendation}"])
+                          *nuts, f"recommendation: {self.recommendation}"])
 
     __str__ = __repr__
 

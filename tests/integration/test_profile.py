@@ -20,6 +20,7 @@ import parallel_backend as pb
 # The module, not the function of the same name that the package exports.
 profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
 timing_module = importlib.import_module("parallel_backend.plugins.numpyro.profile_timing")
+nuts_module = importlib.import_module("parallel_backend.plugins.numpyro.profile_nuts")
 
 
 def normal_loglik(y, mu, sigma):
@@ -81,6 +82,8 @@ def test_report_has_a_row_per_executor_and_a_recommendation():
     else:
         assert report.best.speedup >= profile_module.MARGIN
         assert report.recommendation.startswith(f"use {report.best.executor}")
+        assert report.recommendation.endswith("inside a short NUTS run")
+        assert list(report.nuts) == ["plain NumPyro", report.best.executor]
     text = repr(report)
     assert "recommendation: " + report.recommendation in text
     for label in expected_labels():
@@ -92,6 +95,36 @@ def test_tiny_model_recommends_plain_numpyro():
     assert report.best is None
     assert report.recommendation.startswith("stay with plain NumPyro"), repr(report)
     assert len(report.rows) == len(expected_labels())
+
+
+@pytest.mark.parametrize("executor", [None, "serial"])
+def test_short_nuts_run_times_gradients_inside_the_sampler(executor):
+    ex = pb.SerialExecutor() if executor else None
+    t = nuts_module.nuts_ms_per_gradient(normal_model, (data(2000),), {}, ex, draws=10)
+    assert t.draws == 10 and t.gradients >= 10
+    assert 0 < t.ms_per_gradient < 1000
+    if ex is not None:  # the timed draws ran on the executor (and warmup before them)
+        assert ex.stats()["calls"] > t.gradients
+        ex.close()
+
+
+def _row(label, seconds, plain_seconds):
+    return profile_module.ProfileRow(label, "thread", 2, "host", seconds, plain_seconds / seconds,
+                                     None, None, (), True)
+
+
+@pytest.mark.parametrize("ms_on_executor, kept", [(5.0, True), (9.5, False)])
+def test_recommendation_must_hold_inside_nuts(ms_on_executor, kept):
+    best = _row("ThreadExecutor(2)", 0.005, 0.01)
+    plain = nuts_module.NutsTiming(10.0, 10, 80)
+    on_ex = nuts_module.NutsTiming(ms_on_executor, 10, 80)
+    text, chosen = profile_module._check_in_nuts("use ThreadExecutor(2)", best, plain, on_ex)
+    if kept:
+        assert chosen is best and text == "use ThreadExecutor(2), 2.00x inside a short NUTS run"
+    else:
+        assert chosen is None
+        assert text.startswith("stay with plain NumPyro: ThreadExecutor(2) was 2.00x faster per "
+                               "isolated gradient evaluation but 1.05x inside NUTS")
 
 
 def test_dataframe_and_plot():
