@@ -18,7 +18,7 @@ import numpy as np
 
 from .spec import combine
 
-__all__ = ["decide", "calibrate", "GRAPH_ALWAYS_SECONDS", "HOST_MARGIN"]
+__all__ = ["decide", "calibrate", "in_a_loop", "GRAPH_ALWAYS_SECONDS", "HOST_MARGIN", "LOOP"]
 
 #: Below this time per evaluation in the graph, a callback and task dispatch cannot pay.
 GRAPH_ALWAYS_SECONDS = 1.5e-3
@@ -101,7 +101,7 @@ def calibrate(executor, state, grainsize, data_leaves, shared_leaves) -> dict:
     ds = tuple(np.issubdtype(x.dtype, np.inexact) for x in shared)
 
     with jax.enable_x64(spec.x64):
-        graph = _in_a_loop(lambda t, s: combine(*program.graph_partials(prepared, t, s, dt, ds)))
+        graph = in_a_loop(lambda t, s: combine(*program.graph_partials(prepared, t, s, dt, ds)))
 
         def unsplit(t, s):
             it = iter(t)
@@ -110,7 +110,7 @@ def calibrate(executor, state, grainsize, data_leaves, shared_leaves) -> dict:
             args = jax.tree_util.tree_unflatten(spec.shared_treedef, list(s))
             return spec.fn(data, *args).sum()
 
-        plain = _in_a_loop(jax.value_and_grad(unsplit, argnums=(0, 1)))
+        plain = in_a_loop(jax.value_and_grad(unsplit, argnums=(0, 1)))
 
     ndims = tuple(np.ndim(x) for x in (*traced, *shared))
 
@@ -149,26 +149,34 @@ def calibrate(executor, state, grainsize, data_leaves, shared_leaves) -> dict:
     return times
 
 
-def _in_a_loop(value_and_grad):
-    """``jit`` of ``LOOP`` evaluations of ``value_and_grad(traced, shared)`` (a pytree of
-    the value and gradients) in one compiled loop. Each iteration's parameters depend on
-    every output of the previous one (plus zero times their sum), so XLA can neither
-    hoist an evaluation out of the loop nor drop the gradients."""
+def in_a_loop(f, loops: int = LOOP):
+    """``jit`` of ``loops`` evaluations of ``f(*args)`` (any pytree of outputs, such as a
+    value and its gradients) in one compiled loop, as a sampler evaluates a log-density.
+
+    Each iteration's arguments depend on every output of the previous one (plus zero
+    times their sum), so XLA can neither hoist an evaluation out of the loop nor drop
+    an output. Returns zero (of the outputs' dtype): time the call, divide by ``loops``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> f = in_a_loop(jax.value_and_grad(lambda m: -jnp.sum((jnp.arange(4.0) - m) ** 2)), 3)
+    >>> float(f(1.0))
+    0.0
+    """
 
     def zero_of(out):
         return sum(jnp.sum(x) for x in jax.tree.leaves(out)) * 0
 
-    def nudge(xs, zero):
-        return tuple(x + zero.astype(x.dtype) if np.issubdtype(x.dtype, np.inexact) else x
-                     for x in xs)
+    def nudge(args, zero):
+        return jax.tree.map(lambda x: x + zero.astype(x.dtype)
+                            if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x, args)
 
-    def loop(traced, shared):
+    def loop(*args):
         def body(_, carry):
-            zero, t, s = carry
-            zero = zero_of(value_and_grad(nudge(t, zero), nudge(s, zero)))
-            return zero, t, s
+            zero, a = carry
+            return zero_of(f(*nudge(a, zero))), a
 
-        zero = zero_of(value_and_grad(traced, shared))
-        return jax.lax.fori_loop(1, LOOP, body, (zero, traced, shared))[0]
+        return jax.lax.fori_loop(1, loops, body, (zero_of(f(*args)), args))[0]
 
     return jax.jit(loop)

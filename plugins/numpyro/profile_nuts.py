@@ -15,6 +15,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.mcmc import MCMCKernel
 
@@ -22,7 +23,8 @@ import parallel_backend as pb
 
 from .profile_timing import swap_factors
 
-__all__ = ["NutsTiming", "nuts_ms_per_gradient", "nuts_iterations", "MAX_TREE_DEPTH"]
+__all__ = ["NutsTiming", "StampedKernel", "nuts_ms_per_gradient", "nuts_iterations",
+           "MAX_TREE_DEPTH"]
 
 #: Trees of at most 2**4 - 1 = 15 leapfrog steps: the run measures the cost of a
 #: gradient inside the sampler, not how well NUTS adapts.
@@ -58,8 +60,10 @@ def nuts_iterations(seconds_per_gradient: float) -> int:
     return max(MIN_DRAWS, min(MAX_DRAWS, n))
 
 
-class _Stamped(MCMCKernel):
-    """``kernel`` that records the host time at the end of every transition."""
+class StampedKernel(MCMCKernel):
+    """``kernel`` that records the host time at the end of every transition (NUTS or
+    HMC: the state has ``i``, ``num_steps`` and ``potential_energy``), so that a run's
+    sampling phase can be timed without its compilation and warmup."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -75,7 +79,19 @@ class _Stamped(MCMCKernel):
         return new
 
     def _stamp(self, i, steps, _):
-        self.stamps.append((int(i), int(steps), time.perf_counter()))
+        # Vectorized chains: one evaluation carries every chain, as many as the longest needs.
+        self.stamps.append((int(np.max(i)), int(np.max(steps)), time.perf_counter()))
+
+    def after(self, num_warmup: int) -> tuple:
+        """``(seconds, gradients, draws)`` of the transitions after the first
+        ``num_warmup``, timed from the end of the last warmup transition. Under
+        vectorized chains ``gradients`` counts evaluations (each carries every chain:
+        per transition, the leapfrog steps of the longest chain)."""
+        jax.effects_barrier()
+        stamps = sorted(self.stamps)
+        start = next(t for i, _, t in stamps if i == num_warmup)
+        timed = [(steps, t) for i, steps, t in stamps if i > num_warmup]
+        return timed[-1][1] - start, sum(steps for steps, _ in timed), len(timed)
 
     def postprocess_fn(self, model_args, model_kwargs):
         return self.kernel.postprocess_fn(model_args, model_kwargs)
@@ -99,17 +115,12 @@ def nuts_ms_per_gradient(model, model_args, model_kwargs, executor, draws: int,
     ``draws`` draws; the draws are timed from the end of the last warmup iteration,
     with a host timestamp after every transition, so compilation is not counted.
     """
-    kernel = _Stamped(NUTS(swap_factors(model, executor), max_tree_depth=MAX_TREE_DEPTH))
+    kernel = StampedKernel(NUTS(swap_factors(model, executor), max_tree_depth=MAX_TREE_DEPTH))
     mcmc = MCMC(kernel, num_warmup=draws, num_samples=draws, progress_bar=False)
     # The site's own reduce_sum (whose value the swap drops) is traced on the same
     # executor, not on the process-wide default (plain NumPyro: the caller's choice).
     with pb.use_executor(executor) if executor is not None else contextlib.nullcontext():
         mcmc.run(jax.random.PRNGKey(seed), *model_args, **model_kwargs)
         jax.block_until_ready(mcmc.last_state)
-    jax.effects_barrier()
-    stamps = sorted(kernel.stamps)
-    start = next(t for i, _, t in stamps if i == draws)  # the last warmup iteration's end
-    timed = [(steps, t) for i, steps, t in stamps if i > draws]
-    gradients = sum(steps for steps, _ in timed)
-    seconds = timed[-1][1] - start
-    return NutsTiming(seconds / max(gradients, 1) * 1e3, len(timed), gradients)
+    seconds, gradients, timed = kernel.after(draws)
+    return NutsTiming(seconds / max(gradients, 1) * 1e3, timed, gradients)
