@@ -69,10 +69,9 @@ def uninterrupted():
     return out
 
 
-@pytest.mark.parametrize("method", ["vectorized", "sequential"])
-def test_the_loop_is_numpyros_mcmc_bit_for_bit(uninterrupted, method, assert_identical):
+def test_the_loop_is_numpyros_mcmc_bit_for_bit(uninterrupted, assert_identical):
     """pb.sample drives the kernel itself: the warmup adaptation (scheduled by the
-    iteration counter in the state) and every draw are MCMC.run's."""
+    iteration counter in the state) and every draw of vectorized chains are MCMC.run's."""
     import jax
     from numpyro.infer import MCMC, NUTS
 
@@ -80,10 +79,10 @@ def test_the_loop_is_numpyros_mcmc_bit_for_bit(uninterrupted, method, assert_ide
 
     with pb.SerialExecutor() as ex, pb.use_executor(ex):
         mcmc = MCMC(NUTS(model), num_warmup=RUN["num_warmup"], num_samples=RUN["num_samples"],
-                    num_chains=RUN["num_chains"], chain_method=method, progress_bar=False)
+                    num_chains=RUN["num_chains"], chain_method="vectorized", progress_bar=False)
         mcmc.run(jax.random.PRNGKey(RUN["seed"]), make_data(), extra_fields=HMC_EXTRA_FIELDS)
         ref = pb.to_arviz(mcmc, log_likelihood=False)
-    assert_identical(draws(uninterrupted[method]), draws(ref))
+    assert_identical(draws(uninterrupted["vectorized"]), draws(ref))
 
 
 # -- killed subprocesses ----------------------------------------------------------------
