@@ -227,7 +227,7 @@ class TilePlan(NamedTuple):
 
     Tile ``i < n_tiles - 1`` holds blocks ``[i * tile_blocks, (i + 1) * tile_blocks)``;
     the last tile holds the rest (between ``tile_blocks`` and ``2 * tile_blocks - 1``
-    blocks, or every block when there are fewer than ``tile_blocks``).
+    blocks besides a padded last block, or every block when there are fewer).
 
     Attributes
     ----------
@@ -235,15 +235,20 @@ class TilePlan(NamedTuple):
         Blocks in the plan (the tail block counts as one).
     tile_blocks : int
         Blocks per tile.
+    tail : bool
+        The last block is padded and evaluated on its own after the others (batched
+        form): it is not counted toward the last tile's width.
     """
 
     n_blocks: int
     tile_blocks: int
+    tail: bool = False
 
     @property
     def n_tiles(self) -> int:
         """Number of tiles (at least one when there are blocks)."""
-        return max(1, self.n_blocks // self.tile_blocks) if self.n_blocks else 0
+        full = self.n_blocks - (1 if self.tail else 0)
+        return max(1, full // self.tile_blocks) if self.n_blocks else 0
 
     def tile_range(self, tile: int) -> tuple[int, int]:
         """Blocks ``[first, stop)`` of tile number ``tile``."""
@@ -270,8 +275,8 @@ def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None
     >>> plan.block_rows, plan.n_blocks
     (8192, 25)
     >>> tiles = plan_tiles(plan, threads=2)
-    >>> tiles.tile_blocks, tiles.n_tiles, tiles.tile_range(5)
-    (4, 6, (20, 25))
+    >>> tiles.tile_blocks, tiles.tail, tiles.n_tiles, tiles.tile_range(5)
+    (4, True, 6, (20, 25))
     >>> plan_tiles(plan, batched=False).tile_blocks
     1
     """
@@ -280,4 +285,5 @@ def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None
     threads = xla_threads() if threads is None else max(1, int(threads))
     wide = -(-MIN_TILE_ROWS // max(plan.block_rows, 1))
     tile = max(MIN_TILE_BLOCKS, threads, wide)
-    return TilePlan(plan.n_blocks, max(1, min(tile, plan.n_blocks)))
+    tail = plan.n_blocks * plan.block_rows > plan.n_rows
+    return TilePlan(plan.n_blocks, max(1, min(tile, plan.n_blocks)), tail)

@@ -132,12 +132,17 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
         with gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
             t0 = time.perf_counter()  # after the gate: the chunker wants compute time
             a, b = chunk.first, chunk.first + chunk.count
-            fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes)
-            if spec.form == "batched":
-                out = fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
-            else:
+            last = b == spec.plan.n_blocks
+            fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes, last)
+            if spec.form == "looped":
                 out = fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
                          np.int32(a - resident.first), np.int32(chunk.count))
+            elif last and program.padded:  # the padded block apart (see Program.batched)
+                tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
+                out = fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
+                         program.valid[a:b - 1], tail)
+            else:
+                out = fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
             out = jax.device_get(out)
             seconds = time.perf_counter() - t0
     except Exception as e:

@@ -202,7 +202,7 @@ class DeviceExecutor(Executor):
             if placed is None or placed[0] is not state:
                 layout = self.layout(state)
                 prepared = state.prepared()
-                valid = spread_blocks(state.program.valid, layout)
+                valid = state.program.valid  # spread with the data below, once
 
                 def put():
                     with jax.enable_x64(state.spec.x64):
@@ -243,7 +243,9 @@ class DeviceExecutor(Executor):
             prepared, traced, shared, valid = lax.optimization_barrier(
                 (prepared, traced, shared, valid))
             if state.spec.form == "batched":
-                out = program.batched(prepared, traced, shared, valid, diff_traced, diff_shared)
+                # SPMD: the same program on every device, so every block is masked.
+                out = program.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
+                                      masked=True)
             else:
                 me = lax.axis_index(AXIS)
                 count = jnp.clip(layout.n_blocks - me * layout.per_device, 0, layout.per_device)

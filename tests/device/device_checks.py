@@ -14,10 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-#: Rows per block in every check: N = 31,000 gives 15 full blocks and a padded tail of
-#: 280 rows, in 4 tiles of 4 blocks (the last 4 with the tail), so devices get whole
+#: Rows per block in every check: N = 33,048 gives 16 full blocks and a padded tail of
+#: 280 rows, in 4 tiles of 4 full blocks (the last with the tail), so devices get whole
 #: tiles, the graph layout padded slots, and the tail.
-N, BLOCK_ROWS, BATCH = 31_000, 2048, 4
+N, BLOCK_ROWS, BATCH = 33_048, 2048, 4
 
 
 def problems(n: int = N) -> dict:
