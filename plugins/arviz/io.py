@@ -107,15 +107,22 @@ def load(path):
 
 def read_groups(path) -> tuple:
     """``(attrs, {group: xarray.Dataset})`` of the netCDF file ``path``, read into memory
-    with the attributes decoded as :func:`load` returns them, nothing left out."""
-    lazy = az.from_netcdf(os.fspath(path))
+    with the attributes decoded as :func:`load` returns them, nothing left out.
+
+    The file is opened once and every group read through that handle (``arviz.from_netcdf``
+    opens it again per group): a file replaced meanwhile, as a running ``pb.sample``
+    replaces its checkpoint, is read whole from one version."""
+    import h5netcdf
+    import xarray as xr
+
     groups = {}
-    for name in lazy.groups():
-        ds = getattr(lazy, name)
-        groups[name] = ds.load()
-        ds.close()
-        groups[name].attrs = _decode(groups[name].attrs)
-    return _decode(lazy.attrs), groups
+    with h5netcdf.File(os.fspath(path), "r") as f:
+        for name in list(f.groups):
+            ds = xr.open_dataset(xr.backends.H5NetCDFStore(f, group=name)).load()
+            ds.attrs = _decode(ds.attrs)
+            groups[name] = ds
+        attrs = _decode(xr.open_dataset(xr.backends.H5NetCDFStore(f)).attrs)
+    return attrs, groups
 
 
 def _local_lock():

@@ -106,7 +106,7 @@ CHILD = textwrap.dedent("""
                     attrs = read_groups(path)[0]
                     if sum(attrs.get("iteration", [0])) >= kill_at:
                         os.kill(os.getpid(), signal.SIGKILL)
-            except OSError:
+            except Exception:  # no file yet; never let the watcher die
                 pass
             time.sleep(0.002)
 
@@ -302,7 +302,7 @@ def test_scheduler_killed_mid_run_fails_fast_then_the_run_continues_on_a_new_clu
                         procs[0].send_signal(signal.SIGKILL)
                         killed.append(time.time())
                         return
-                except (OSError, KeyError):
+                except Exception:  # no checkpoint yet; never let the watcher die
                     pass
                 time.sleep(0.005)
 
