@@ -179,7 +179,8 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     own = isinstance(executor, str)
     ex = resolve_executor(executor)
     try:
-        history = _History(saved, num_warmup + num_samples, lanes.kind == "each")
+        history = _History(saved, num_warmup + num_samples,
+                           lanes.kind == "each" and num_chains > 1)
         progress = Progress(ex, num_chains, num_warmup, num_samples,
                             enabled=bool(progress_bar) and terminal(), done=history.transitions,
                             resumed_from=history.resumed_at, resume_count=history.count)
@@ -290,6 +291,7 @@ def _path(checkpoint):
         raise ValueError(f"sample: the folder of checkpoint {os.fspath(checkpoint)!r} does not "
                          "exist; create it first")
     return path
+
 
 def _check_count(name, value, least):
     check_count(value, name, "sample", least=least)
