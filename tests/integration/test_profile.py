@@ -16,6 +16,7 @@ import numpyro.distributions as dist
 import pytest
 
 import parallel_backend as pb
+from parallel_backend.blocks import balance_blocks
 
 # The module, not the function of the same name that the package exports.
 profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
@@ -73,8 +74,9 @@ def test_report_has_a_row_per_executor_and_a_recommendation():
         if row.dispatch == "host":
             assert row.overhead is not None and 0.0 <= row.overhead <= 1.0
             assert row.chunk_rows and all(0 < c <= 20_000 for c in row.chunk_rows)
-    assert report.sites == [dict(name="y", rows=20_000,
-                                 block_rows=pb.plan_blocks(20_000, row_bytes=4).block_rows,
+    # The default plan, evened out as for every batched (elementwise) likelihood.
+    plan = balance_blocks(pb.plan_blocks(20_000, row_bytes=4))
+    assert report.sites == [dict(name="y", rows=20_000, block_rows=plan.block_rows,
                                  grainsize=None)]
     assert isinstance(report.recommendation, str)
     if report.best is None:
