@@ -9,6 +9,8 @@ Helpers reach the tests as fixtures (``make_problem``, ``assert_close``,
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -263,36 +265,21 @@ def hmm(n: int, rng, steps: int = 12, states: int = 3) -> Problem:
 
 
 def newton(n: int, rng) -> Problem:
-    """A per-row iterative solve: ``u_i`` is the root of ``u + theta sinh(u) = a + b x_i``,
-    found by Newton steps in a ``while_loop`` until every row of the chunk converged
-    (so the iteration count depends on the chunk's rows) and differentiated implicitly
-    (``lax.custom_root``); ``y_i ~ Normal(u_i, 1)``."""
-    x = rng.normal(size=n) * 2.0
-    y = np.arcsinh((1.0 + 1.5 * x) / 1.8) + 0.3 * rng.normal(size=n)
-    tol = 1e-10 if jax.config.jax_enable_x64 else 1e-5
+    """The benchmarks' per-row iterative solve (``benchmarks/likelihoods.py``): Newton
+    steps in a ``while_loop`` until every row of the chunk converged, so the iteration
+    count depends on the chunk's rows, differentiated implicitly (``lax.custom_root``)."""
+    dtype = np.dtype(jnp.result_type(float))
+    fn, data, params = _benchmark_likelihoods().newton(n, dtype, seed=int(rng.integers(2**31)))
+    return Problem(fn, {k: jnp.asarray(v) for k, v in data.items()}, {}, tuple(params), _identity)
 
-    def loglik(d, a, b, log_theta):
-        theta = jnp.exp(log_theta)
-        rhs = a + b * d["x"]
 
-        def f(u):
-            return u + theta * jnp.sinh(u) - rhs
-
-        def solve(f, u0):
-            def body(c):
-                u, _ = c
-                step = f(u) / (1.0 + theta * jnp.cosh(u))
-                return u - step, jnp.max(jnp.abs(step))
-
-            return jax.lax.while_loop(lambda c: c[1] > tol, body,
-                                      (u0, jnp.asarray(jnp.inf, u0.dtype)))[0]
-
-        u = jax.lax.custom_root(f, jnp.arcsinh(rhs / (1.0 + theta)), solve,
-                                lambda g, r: r / g(jnp.ones_like(r)))
-        return -0.5 * (d["y"] - u) ** 2
-
-    params = (_float(1.0), _float(1.5), _float(np.log(0.8)))
-    return Problem(loglik, {"x": _float(x), "y": _float(y)}, {}, params, _identity)
+def _benchmark_likelihoods():
+    """``benchmarks/likelihoods.py``, loaded by path (the benchmarks are not a package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "likelihoods.py"
+    spec = importlib.util.spec_from_file_location("parallel_backend_benchmark_likelihoods", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 PROBLEMS = {"logistic": logistic, "normal_array": normal_array,
