@@ -21,7 +21,7 @@ def gradient_table(rows):
     for r in rows:
         by[(r["likelihood"], r["n"], r["dtype"])][r["cores"]] = r["seconds"]
     out = ["| likelihood | N | dtype | plain ms | serial | thread (auto) | thread (host) | "
-           "thread vs 1-core plain | efficiency | overhead (us, small N) |",
+           "thread vs 1-core plain | efficiency | overhead (us, N = 1,000) |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (name, n, dtype), per in sorted(by.items()):
         full = per.get(max(per)) if per else None
@@ -40,7 +40,7 @@ def gradient_table(rows):
             vs_one = f"{vs_one:.2f}x"
         else:
             vs_one = eff = "-"
-        overhead = f"{(thread - plain) * 1e6:+.0f}" if thread and n <= 10_000 else "-"
+        overhead = f"{(thread - plain) * 1e6:+.0f}" if thread and n <= 1_000 else "-"
         out.append(f"| {name} | {n:,} | {dtype} | {plain * 1e3:.2f} | {ratio('serial')} | "
                    f"{ratio('thread')} | {ratio('thread_host')} | {vs_one} | {eff} | {overhead} |")
     return "\n".join(out)
