@@ -316,8 +316,11 @@ class Program:
             # neither fold the data into fn's code nor fuse the caller's computation of a
             # parameter (exp(log_sigma), say) into a block, either of which would change
             # the rounding.
-            prepared, prepared_tail, traced, shared, valid = lax.optimization_barrier(
-                (prepared, prepared_tail, traced, shared, jnp.asarray(self.valid)))
+            # Data and parameters behind separate barriers: one over both cost (negbin,
+            # float64, 10,000 rows: 0.77x plain with one barrier, 0.93x with two).
+            prepared, prepared_tail, valid = lax.optimization_barrier(
+                (prepared, prepared_tail, jnp.asarray(self.valid)))
+            traced, shared = lax.optimization_barrier((traced, shared))
             if self.spec.form == "batched":
                 tail = None
                 if self.padded:
