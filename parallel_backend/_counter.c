@@ -1,10 +1,11 @@
 /* An XLA FFI handler that counts evaluations, for parallel_backend's stats().
  *
- * Compiled into a graph evaluation as a custom call with one operand (the
- * evaluation's value, batched under vmap) and one result of the same shape: each
- * execution adds one to the call count of the slot named by the call's int64
- * attribute "slot", adds the operand's element count (the batch size) to the
- * slot's batch count, and writes zeros to its result. It runs inside XLA's
+ * Compiled into a graph evaluation as a custom call whose operands are the
+ * evaluation's inputs (parameters; read by nobody) and whose one result is shaped
+ * like the evaluation's value (batched under vmap): each execution adds one to the
+ * call count of the slot named by the call's int64 attribute "slot", adds the
+ * result's element count (the batch size) to the slot's batch count, and writes
+ * zeros to its result. It runs inside XLA's
  * executor without Python (about 10 us per evaluation, against about 120 us for a
  * jax.pure_callback). Only the few fields of XLA's FFI C ABI (API version 0.x,
  * xla/ffi/api/c_api.h) that it reads are declared here.
@@ -60,8 +61,8 @@ static void *count_evaluation(CallFrame *frame) {
         int64_t slot = *(int64_t *)s->value;
         if (slot < 0 || slot >= MAX_SLOTS) continue;
         int64_t batch = 1;
-        if (frame->args.size > 0) {
-            Buffer *v = (Buffer *)frame->args.items[0];
+        if (frame->rets.size > 0) {
+            Buffer *v = (Buffer *)frame->rets.items[0];
             for (int64_t d = 0; d < v->rank; d++) batch *= v->dims[d];
         }
         __atomic_add_fetch(&counts[slot], 1, __ATOMIC_RELAXED);

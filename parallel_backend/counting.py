@@ -1,9 +1,9 @@
 """Counting the evaluations that run inside the caller's program.
 
 A graph evaluation has no host callback to count it, so one is compiled in: a
-custom call (XLA FFI, :file:`_counter.c`) that adds one to a counter slot and
-returns zeros, which :mod:`.reduce` adds to the value and to the gradient's
-cotangent so that XLA keeps it wherever either is used. It costs about 10-15 us
+custom call (XLA FFI, :file:`_counter.c`) on the evaluation's inputs that adds one
+to a counter slot and returns zeros, which :mod:`.reduce` adds to the value and to
+the gradient's cotangent so that XLA keeps it wherever either is used. It costs about 10-15 us
 per evaluation on CPU. Where the compiled counter is not available (no C compiler
 at install, or a GPU) a ``jax.pure_callback`` counts instead (about 120 us).
 
@@ -70,13 +70,20 @@ class GraphCounter:
         self._py = [0, 0]
         self._lock = threading.Lock()
 
-    def zero(self, value):
-        """A traced zero shaped like ``value`` that counts one evaluation when computed."""
+    def zero(self, value, inputs=()):
+        """A traced zero shaped like ``value`` that counts one evaluation when computed.
+
+        The compiled counter takes the evaluation's ``inputs`` (its parameters) as
+        operands, not ``value``: it then runs beside the evaluation instead of after it,
+        and the gradient need not wait for it (negative binomial, 10,000 rows, inside
+        HMC: 0.90x-0.95x plain when it waited on the value, 0.97x-1.03x now). Two
+        counters merge only where their inputs, and so their evaluations, are the same.
+        """
         dtype = jnp.result_type(value)
         if self._slot is not None and jax.default_backend() == "cpu":
             call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(jnp.shape(value), dtype),
-                                    vmap_method="broadcast_all")
-            return call(jax.lax.stop_gradient(value), slot=np.int64(self._slot))
+                                    vmap_method="expand_dims")
+            return call(*(jax.lax.stop_gradient(x) for x in inputs), slot=np.int64(self._slot))
 
         def count(v):
             with self._lock:

@@ -177,16 +177,16 @@ def _reduce(state, executor, grainsize):
 
     counting = not on_host and executor.count_calls
 
-    def counter(v):
+    def counter(v, inputs):
         # A zero that counts the evaluation; adding it keeps the counter alive (not dead
         # code) wherever the value or the gradient is used.
-        return executor.graph_counter(state).zero(v) if counting else None
+        return executor.graph_counter(state).zero(v, inputs) if counting else None
 
     @jax.custom_vjp
     def value(traced, shared):
         no = (False,) * len(traced), (False,) * len(shared)
         v = combine(*partials(traced, shared, *no))[0]
-        zero = counter(v)
+        zero = counter(v, (*traced, *shared))
         return v if zero is None else v + zero
 
     def fwd(traced, shared):
@@ -195,7 +195,7 @@ def _reduce(state, executor, grainsize):
         dt = tuple(bool(p.perturbed) and _is_float(p.value) for p in traced)
         ds = tuple(bool(p.perturbed) and _is_float(p.value) for p in shared)
         v, gs, gd = combine(*partials(tv, sv, dt, ds))
-        zero = counter(v)
+        zero = counter(v, (*tv, *sv))
         if zero is not None:
             v = v + zero
         return v, (_spread(gd, dt), _spread(gs, ds), zero)

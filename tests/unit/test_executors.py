@@ -70,6 +70,35 @@ def test_stats_count_evaluations_not_traces(executor, x):
     assert executor.stats()["calls"] == 4
 
 
+def test_graph_counter_counts_batches_and_distinct_evaluations(x):
+    """The in-graph counter runs on the evaluation's inputs: a batch of parameter sets
+    counts all of them, also with one argument unbatched, and two evaluations in one
+    program that differ only in a later parameter element count twice."""
+    executor = pb.SerialExecutor()
+
+    def scaled(x, mu, sigma):
+        return -0.5 * ((x - mu) / sigma) ** 2
+
+    f = jax.jit(jax.vmap(jax.value_and_grad(
+        lambda m, s: pb.reduce_sum(scaled, x, m, s, executor=executor)), in_axes=(0, None)))
+    jax.block_until_ready(f(jnp.arange(3.0), 1.5))
+    nested = jax.jit(jax.vmap(jax.vmap(lambda m, s: pb.reduce_sum(scaled, x, m, s,
+                                                                   executor=executor),
+                                       in_axes=(0, None)), in_axes=(None, 0)))
+    jax.block_until_ready(nested(jnp.arange(3.0), jnp.ones(4)))
+    stats = executor.stats()
+    assert (stats["calls"], stats["rows"]) == (2, (3 + 12) * N)
+
+    def packed(x, p):
+        return -0.5 * ((x - p[0]) / p[1]) ** 2
+
+    other = pb.SerialExecutor()
+    both = jax.jit(lambda: pb.reduce_sum(packed, x, jnp.array([0.0, 1.0]), executor=other)
+                   + pb.reduce_sum(packed, x, jnp.array([0.0, 2.0]), executor=other))
+    jax.block_until_ready(both())
+    assert (other.stats()["calls"], other.stats()["rows"]) == (2, 2 * N)
+
+
 def test_stats_are_per_executor(fresh_executor, x):
     a, b = fresh_executor("thread2-host"), fresh_executor("serial-host")
     jax.block_until_ready(jitted_value_and_grad(x, executor=a)(0.5))
