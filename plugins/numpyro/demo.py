@@ -14,6 +14,8 @@ global JAX settings: the command line does that (``--float64``).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 __all__ = ["make_hmm_data", "make_negbin_data", "run_demo", "MODELS"]
@@ -261,8 +263,10 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
     if timing:
         print_fn("measured once per gradient, to choose: " + ", ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in sorted(timing.items())))
-    summary = az.summary(fit, var_names=list(names), hdi_prob=0.9)
+    summary = _summary(az, fit, list(names))
     print_fn(summary[["mean", "sd", "hdi_5%", "hdi_95%", "r_hat"]].to_string())
+    if fit.posterior.sizes["chain"] < 2:
+        print_fn("(r_hat needs two chains or more: --chains 2)")
     print_fn("truth: " + "; ".join(f"{k}={np.round(np.asarray(v), 2).tolist()}"
                                    for k, v in truth.items()))
     means_plain = {k: np.asarray(plain.posterior[k].mean(("chain", "draw"))) for k in names}
@@ -270,3 +274,16 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
     return dict(seconds_plain=t_plain, seconds_parallel=t_pb, speedup=speedup,
                 ms_per_gradient_plain=ms_plain * 1e3, ms_per_gradient_parallel=ms_pb * 1e3,
                 stats=stats, means_plain=means_plain, means_parallel=means_pb, truth=truth)
+
+
+def _summary(az, fit, names):
+    """``az.summary``; with one chain arviz's warning that r_hat cannot be computed is
+    left out (the column says NaN, and the demo says why)."""
+    log = getattr(az, "_log", None) or logging.getLogger("arviz")  # arviz's own logger
+    level = log.level
+    if fit.posterior.sizes["chain"] < 2:
+        log.setLevel(logging.ERROR)
+    try:
+        return az.summary(fit, var_names=names, hdi_prob=0.9)
+    finally:
+        log.setLevel(level)
