@@ -292,5 +292,4 @@ def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None
     threads = xla_threads() if threads is None else max(1, int(threads))
     wide = -(-MIN_TILE_ROWS // max(plan.block_rows, 1))
     tile = max(MIN_TILE_BLOCKS, threads, wide)
-    tail = plan.n_blocks * plan.block_rows > plan.n_rows
-    return TilePlan(plan.n_blocks, max(1, min(tile, plan.n_blocks)), tail)
+    return TilePlan(plan.n_blocks, max(1, min(tile, plan.n_blocks)), plan.tail_rows > 0)

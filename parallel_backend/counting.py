@@ -3,8 +3,8 @@
 A graph evaluation has no host callback to count it, so one is compiled in: a
 custom call (XLA FFI, :file:`_counter.c`) on the evaluation's inputs that adds one
 to a counter slot and returns zeros, which :mod:`.reduce` adds to the value and to
-the gradient's cotangent so that XLA keeps it wherever either is used. It costs about 10-15 us
-per evaluation on CPU. Where the compiled counter is not available (no C compiler
+the gradient's cotangent so that XLA keeps it wherever either is used. It takes about
+10 us on CPU, beside the evaluation rather than after it. Where the compiled counter is not available (no C compiler
 at install, or a GPU) a ``jax.pure_callback`` counts instead (about 120 us).
 
 This module owns :class:`GraphCounter` (one per call site and executor) and the
@@ -76,7 +76,7 @@ class GraphCounter:
         The compiled counter takes the evaluation's ``inputs`` (its parameters) as
         operands, not ``value``: it then runs beside the evaluation instead of after it,
         and the gradient need not wait for it (negative binomial, 10,000 rows, inside
-        HMC: 0.90x-0.95x plain when it waited on the value, 0.97x-1.03x now). Two
+        HMC: 0.90x-0.95x plain when it waited on the value, 0.97x-1.08x now). Two
         counters merge only where their inputs, and so their evaluations, are the same.
         """
         dtype = jnp.result_type(value)

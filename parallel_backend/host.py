@@ -137,7 +137,7 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
             if spec.form == "looped":
                 out = fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
                          np.int32(a - resident.first), np.int32(chunk.count))
-            elif last and program.padded:  # the padded block apart (see Program.batched)
+            elif last and spec.tiles.tail:  # the padded block apart (see Program.batched)
                 tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
                 out = fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
                          program.valid[a:b - 1], tail)

@@ -182,8 +182,6 @@ class Program:
             valid[-1] = plan.n_rows - (plan.n_blocks - 1) * plan.block_rows
         #: Real (unpadded) rows of each block.
         self.valid = valid
-        #: Whether the last block is padded (only it is then masked, in the batched form).
-        self.padded = plan.n_blocks * plan.block_rows > plan.n_rows
         #: (kind, blocks) -> times traced: a compiled shape is traced once.
         self.traces = Counter()
         self._lock = threading.Lock()
@@ -295,7 +293,7 @@ class Program:
         still compiled as one program (op-by-op execution would round differently).
         """
         prepared = tuple(prepared)
-        split = self.spec.form == "batched" and self.padded
+        split = self.spec.tiles.tail
         # The padded last block as arrays of its own: numpy views, constants of the
         # caller's program, so XLA copies nothing per evaluation.
         tail = tuple(x[-1:] for x in prepared) if split else ()
@@ -323,7 +321,7 @@ class Program:
             traced, shared = lax.optimization_barrier((traced, shared))
             if self.spec.form == "batched":
                 tail = None
-                if self.padded:
+                if self.spec.tiles.tail:
                     tail = (prepared_tail, tuple(t[-1:] for t in traced), valid[-1:])
                     traced, valid = tuple(t[:-1] for t in traced), valid[:-1]
                 out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
@@ -352,7 +350,7 @@ class Program:
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
         vmap axes of ``(traced, shared)`` under a batch of parameter sets, or ``None``.
         """
-        split = last and self.padded and self.spec.form == "batched"
+        split = last and self.spec.tiles.tail
         key = (blocks, diff_traced, diff_shared, in_axes, split)
         fn = self._compiled.get(key)
         if fn is not None:
