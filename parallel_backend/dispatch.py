@@ -131,8 +131,8 @@ def calibrate(executor, state, grainsize, data_leaves, shared_leaves) -> dict:
     # fresh rounds of all three, only where the host path was faster at all (and the
     # graph not so fast that :func:`choose` keeps it anyway).
     times = _rounds(run, ["graph", "host"], warm)
-    graph, host = np.median(times["graph"]), np.median(times["host"])
-    if GRAPH_ALWAYS_SECONDS <= graph and host < graph:
+    med_graph, med_host = np.median(times["graph"]), np.median(times["host"])
+    if GRAPH_ALWAYS_SECONDS <= med_graph and med_host < med_graph:
         times = _rounds(run, ["graph", "plain", "host"], warm)
     return times
 
