@@ -72,7 +72,7 @@ def main(argv=None):
     import arviz as az
 
     print(az.summary(idata, var_names=["mu", "beta", "tau", "sigma"]))
-    if "log_likelihood" in idata.groups():
+    if hasattr(idata, "log_likelihood"):
         print(az.loo(idata))
     return idata
 

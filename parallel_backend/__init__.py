@@ -42,7 +42,7 @@ __all__ = [
 # Public names that live in plugins: name -> (module, attribute, extra to install).
 _LAZY = {
     "factor": ("parallel_backend.plugins.numpyro", "factor", None),
-    "sample": ("parallel_backend.plugins.numpyro", "sample", "arviz"),
+    "sample": ("parallel_backend.plugins.arviz", "sample", "arviz"),
     "profile": ("parallel_backend.plugins.numpyro", "profile", None),
     "to_arviz": ("parallel_backend.plugins.arviz", "to_arviz", "arviz"),
     "DaskExecutor": ("parallel_backend.plugins.dask", "DaskExecutor", "dask"),

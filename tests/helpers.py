@@ -93,3 +93,31 @@ def cli_cluster(folder, workers: int = 2):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+# -- runs in ArviZ's format, under either major ---------------------------------------------
+
+
+def run_groups(run) -> dict:
+    """``{group: xarray.Dataset}`` of a run (``xarray.DataTree`` or ``arviz.InferenceData``)."""
+    from parallel_backend.plugins.arviz.container import parts
+
+    return parts(run)[0]
+
+
+def from_draws(**groups):
+    """``arviz.from_dict`` of ``{group: {var: (chain, draw, ...) array}}`` for the
+    installed ArviZ (its signature differs between the majors)."""
+    import arviz as az
+
+    from parallel_backend.plugins.arviz import DATATREE
+
+    return az.from_dict(groups) if DATATREE else az.from_dict(**groups)
+
+
+def loo_elpd(run, var_name: str) -> tuple[float, int]:
+    """``(elpd_loo, number of data points)`` of ``arviz.loo`` under either major."""
+    import arviz as az
+
+    out = az.loo(run, var_name=var_name, pointwise=True)
+    return float(getattr(out, "elpd", getattr(out, "elpd_loo", float("nan")))), out.n_data_points

@@ -1,39 +1,37 @@
-"""``pb.to_arviz``: a NumPyro ``MCMC`` run as ``arviz.InferenceData``.
+"""``pb.to_arviz``: a finished NumPyro run in ArviZ's format, under either ArviZ major.
 
 ArviZ's own ``from_numpyro`` makes ``posterior``, ``sample_stats`` and
-``observed_data``; this module adds the ``log_likelihood`` group, pointwise over
-the rows of every ``pb.factor`` site (recomputed on the executor by
-:mod:`.loglik`), the sites' row data as ``constant_data``, and the run's
-``attrs``. It imports arviz, numpy, numpyro and the core's public names.
+``observed_data`` (:func:`.container.from_numpyro`); this module adds the
+``log_likelihood`` group, pointwise over the rows of every ``pb.factor`` site and of
+every observed site (recomputed on the executor by the NumPyro plugin's
+``pointwise_log_likelihood``), the sites' row data as ``constant_data``, and the run's
+``attrs``, and builds the installed major's container. Imports jax, numpy, xarray, the
+core's and the NumPyro plugin's public names, and :mod:`.container`.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
-
-try:
-    import arviz as az
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError('parallel_backend.to_arviz needs ArviZ: pip install "parallel-backend[arviz]"') from e
 import jax
+import numpy as np
 import xarray as xr
 
 import parallel_backend as pb
-from parallel_backend.plugins.numpyro.replay import (HMC_EXTRA_FIELDS, factor_sites, quietly,
-                                                     trace_model)
+from parallel_backend.extend import resolve_executor
+from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, factor_sites,
+                                              pointwise_log_likelihood, quietly, run_record,
+                                              trace_model)
 
-from .loglik import pointwise_log_likelihood
+from . import container
 
 __all__ = ["to_arviz", "HMC_EXTRA_FIELDS"]
-
 
 
 def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=None,
              log_likelihood=True, factor_data=True, coords=None, dims=None, chunk_draws=None,
              chunk_rows=None, attrs=None, **from_numpyro_kwargs):
-    """Convert a finished NumPyro ``MCMC`` run to ``arviz.InferenceData``.
+    """Convert a finished NumPyro ``MCMC`` run to ArviZ's format.
 
     Parameters
     ----------
@@ -49,7 +47,7 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
         ``executor=``, else the innermost ``use_executor``, else the default.
     log_likelihood : bool
         Compute the ``log_likelihood`` group (``chains x draws x rows`` values per
-        ``pb.factor`` site; switch off for very large data).
+        ``pb.factor`` site and per observed site; switch off for very large data).
     factor_data : bool
         Put the ``pb.factor`` sites' row data that does not depend on parameters in
         ``constant_data`` (as ``<site>_<key>``, rows on the site's row dimension).
@@ -57,24 +55,26 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
         As for ``arviz.from_numpyro``. A ``pb.factor`` site's rows are on dimension
         ``<site>_dim_0`` unless ``dims[site]`` names it.
     chunk_draws, chunk_rows : int, optional
-        Draws and rows per log-likelihood task (see :mod:`.loglik`).
+        Draws and rows per log-likelihood task (see
+        :func:`~parallel_backend.plugins.numpyro.loglik.pointwise_log_likelihood`).
     attrs : dict, optional
-        Extra attributes for ``idata.attrs`` (``pb.sample`` passes wall times).
+        Extra attributes for the run's ``attrs`` (``pb.sample`` passes wall times).
     **from_numpyro_kwargs
         Passed to ``arviz.from_numpyro`` (``constant_data``, ``posterior_predictive``...).
 
     Returns
     -------
-    arviz.InferenceData
-        Groups ``posterior``, ``sample_stats``, ``log_likelihood`` (if asked),
-        ``observed_data`` (ordinary observed sites), ``constant_data``; ``attrs``
-        hold ``parallel_backend_version``, ``executor``, ``workers``, ``chunk_rows``.
+    xarray.DataTree or arviz.InferenceData
+        ``DataTree`` with ArviZ 1.x, ``InferenceData`` with ArviZ 0.2x; groups
+        ``posterior``, ``sample_stats``, ``log_likelihood`` (if asked),
+        ``observed_data`` (ordinary observed sites), ``constant_data``; ``attrs`` hold
+        ``parallel_backend_version``, ``executor``, ``workers``, ``chunk_rows``.
 
     Examples
     --------
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import parallel_backend as pb
-    >>> from parallel_backend.plugins.arviz.convert import HMC_EXTRA_FIELDS
+    >>> from parallel_backend.plugins.arviz import HMC_EXTRA_FIELDS
     >>> y = jnp.linspace(-1.0, 1.0, 20)
     >>> def model(y):
     ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -82,103 +82,100 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
     >>> mcmc = numpyro.infer.MCMC(numpyro.infer.NUTS(model), num_warmup=20, num_samples=10,
     ...                           progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(0), y, extra_fields=HMC_EXTRA_FIELDS)
-    >>> idata = pb.to_arviz(mcmc)
-    >>> idata.log_likelihood["y"].shape, idata.attrs["executor"]
+    >>> run = pb.to_arviz(mcmc)
+    >>> run.log_likelihood["y"].shape, run.attrs["executor"]
     ((1, 10, 20), 'serial')
     """
-    model = model if model is not None else getattr(mcmc.sampler, "model", None)
-    if model_args is None:
-        model_args = mcmc._args  # noqa: SLF001 - as arviz.from_numpyro reads them
-    if model_kwargs is None:
-        model_kwargs = mcmc._kwargs  # noqa: SLF001
-    model_args, model_kwargs = tuple(model_args), dict(model_kwargs)
-    dims = dict(dims or {})
+    rec = run_record(mcmc, model, model_args, model_kwargs)
+    given_dims, dims = dims, dict(dims or {})
     own = isinstance(executor, str)  # made here from a name: closed when done
-    ex = pb.executors.resolve_executor(executor)
-
-    samples = mcmc.get_samples(group_by_chain=True)
-    n_chains, n_draws = np.shape(jax.tree.leaves(samples)[0])[:2]
-    flat = jax.tree.map(lambda x: np.reshape(np.asarray(x), (n_chains * n_draws,) + np.shape(x)[2:]),
-                        samples)
-    factor_sites, plans, ll_seconds = {}, {}, 0.0
-    if model is not None:
-        factor_sites = _factor_sites(model, flat, model_args, model_kwargs)
-
-    # from_numpyro replays the model once for observed_data: keep that evaluation off
-    # the caller's executor. A pb.factor site's dims are its rows', not its empty value's.
-    with quietly():
-        idata = az.from_numpyro(mcmc, log_likelihood=False, coords=coords,
-                                dims={k: v for k, v in dims.items() if k not in factor_sites},
-                                **from_numpyro_kwargs)
-    if log_likelihood and factor_sites:
-        t0 = time.perf_counter()
-        values, plans = pointwise_log_likelihood(
-            model, flat, *model_args, executor=ex if executor is not None else None,
-            chunk_draws=chunk_draws,
-            chunk_rows=chunk_rows, **model_kwargs)
-        ll_seconds = time.perf_counter() - t0
-        ll = {name: v.reshape((n_chains, n_draws) + v.shape[1:]) for name, v in values.items()}
-        ll_dims = {name: list(dims.get(name, [f"{name}_dim_0"])) for name in factor_sites}
-        ll_dims.update({k: v for k, v in dims.items() if k in ll and k not in ll_dims})
-        ds = az.dict_to_dataset(ll, library=_numpyro(), coords=coords, dims=ll_dims)
-        idata.add_groups(log_likelihood=ds)
-
-    # A pb.factor site is observed at an empty value (as numpyro.factor): not data.
-    if hasattr(idata, "observed_data"):
-        keep = [v for v in idata.observed_data.data_vars if v not in factor_sites]
-        if keep:
-            idata.observed_data = idata.observed_data[keep]
-        else:
-            del idata.observed_data
-    if factor_data and factor_sites:
-        const = _constant_rows(factor_sites, dims)
-        if const:
-            used = {d for ds_dims in const[1].values() for d in ds_dims}
-            ds = xr.Dataset({k: (const[1][k], v) for k, v in const[0].items()},
-                            coords={k: v for k, v in (coords or {}).items() if k in used})
-            if hasattr(idata, "constant_data"):
-                idata.constant_data = xr.merge([idata.constant_data, ds])
-            else:
-                idata.add_groups(constant_data=ds)
-
-    stats = ex.stats()
-    if own:
-        ex.close()
-    info = {
+    ex = resolve_executor(executor)
+    try:
+        flat = jax.tree.map(lambda x: np.reshape(np.asarray(x), (-1,) + np.shape(x)[2:]),
+                            rec.samples)
+        sites = _factor_sites(rec, flat) if rec.model is not None else {}
+        # from_numpyro replays the model for observed_data: keep that evaluation off the
+        # caller's executor. A pb.factor site's dims are its rows', not its empty value's.
+        with quietly():
+            # dims=None lets ArviZ infer them from plates, as from_numpyro does.
+            base = container.from_numpyro(
+                rec, coords=coords, **from_numpyro_kwargs,
+                dims=None if given_dims is None else
+                {k: v for k, v in dims.items() if k not in sites})
+        groups, root = container.parts(base)
+        # A pb.factor site is observed at an empty value (as numpyro.factor): not data.
+        if "observed_data" in groups:
+            keep = [v for v in groups["observed_data"].data_vars if v not in sites]
+            groups["observed_data"] = groups["observed_data"][keep]
+            if not keep:
+                del groups["observed_data"]
+        info = {}
+        if log_likelihood and rec.model is not None:
+            ll, info = _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims,
+                                       chunk_draws, chunk_rows)
+            if ll is not None:
+                groups["log_likelihood"] = ll
+        if factor_data and sites:
+            _add_constant_rows(groups, sites, coords, dims)
+        stats = ex.stats()
+    finally:
+        if own:
+            ex.close()
+    root.update({
         "parallel_backend_version": pb.__version__,
         "executor": stats["executor"],
         "workers": int(stats["workers"]),
         "chunk_rows": [int(r) for r in stats["chunk_rows"]] or [0],
         "gradient_evaluations": int(stats["calls"]),
-        "num_chains": int(n_chains),
-        "num_draws": int(n_draws),
-    }
-    if plans:
-        info["log_likelihood_seconds"] = float(ll_seconds)
-        info["log_likelihood_chunk_draws"] = int(max(p.chunk_draws for p in plans.values()))
-        info["log_likelihood_chunk_rows"] = [int(p.chunk_rows) for p in plans.values()]
-    info.update(attrs or {})
-    idata.attrs.update(info)
+        "num_chains": int(rec.num_chains),
+        "num_draws": int(rec.num_draws),
+        **info, **(attrs or {})})
     for group in ("posterior", "sample_stats", "log_likelihood"):
-        if hasattr(idata, group):
-            getattr(idata, group).attrs.update(
-                {"parallel_backend_version": pb.__version__, "executor": stats["executor"]})
-    return idata
+        if group in groups:
+            groups[group].attrs.update({"parallel_backend_version": pb.__version__,
+                                        "executor": stats["executor"]})
+    return container.build(groups, root)
 
 
-def _numpyro():
-    import numpyro
+def _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims, chunk_draws,
+                    chunk_rows):
+    """The ``log_likelihood`` dataset (``None`` without any likelihood site) and what its
+    computation adds to ``attrs``."""
+    t0 = time.perf_counter()
+    values, plans = pointwise_log_likelihood(
+        rec.model, flat, *rec.model_args, executor=ex if executor is not None else None,
+        chunk_draws=chunk_draws, chunk_rows=chunk_rows, **rec.model_kwargs)
+    seconds = time.perf_counter() - t0
+    if not values:
+        return None, {}
+    ll = {name: v.reshape((rec.num_chains, rec.num_draws) + v.shape[1:])
+          for name, v in values.items()}
+    ll_dims = {}
+    observed = groups.get("observed_data")
+    for name, v in ll.items():
+        if name in dims:
+            ll_dims[name] = list(dims[name])
+        elif name in sites:
+            ll_dims[name] = [f"{name}_dim_0"]
+        elif observed is not None and name in observed:
+            # as from_numpyro(log_likelihood=True) names them: the observation's batch dims
+            ll_dims[name] = list(observed[name].dims[:v.ndim - 2])
+    info = {}
+    if plans:
+        info = {"log_likelihood_seconds": float(seconds),
+                "log_likelihood_chunk_draws": int(max(p.chunk_draws for p in plans.values())),
+                "log_likelihood_chunk_rows": [int(p.chunk_rows) for p in plans.values()]}
+    return container.dataset(ll, coords=coords, dims=ll_dims), info
 
-    return numpyro
 
-
-def _factor_sites(model, flat, model_args, model_kwargs) -> dict:
+def _factor_sites(rec, flat) -> dict:
     """``{site: info}`` of the pb.factor sites, from one replay at the first draw."""
     first = jax.tree.map(lambda x: x[0], flat)
     found = {}
 
     def replay(draw):
-        found.update(factor_sites(trace_model(model, model_args, model_kwargs, params=draw)))
+        found.update(factor_sites(trace_model(rec.model, rec.model_args, rec.model_kwargs,
+                                              params=draw)))
         return 0
 
     # Traced, not run: leaves computed from the draws (or from anything) stay tracers,
@@ -188,8 +185,9 @@ def _factor_sites(model, flat, model_args, model_kwargs) -> dict:
     return found
 
 
-def _constant_rows(sites: dict, dims: dict):
-    """Concrete data leaves of each site, named ``<site>_<key path>``, with their dims."""
+def _add_constant_rows(groups: dict, sites: dict, coords, dims) -> None:
+    """The concrete data leaves of each site in ``constant_data``, named
+    ``<site>_<key path>``, rows on the site's row dimension."""
     values, var_dims = {}, {}
     for name, info in sites.items():
         row_dim = list(dims.get(name, [f"{name}_dim_0"]))[0]
@@ -201,4 +199,11 @@ def _constant_rows(sites: dict, dims: dict):
             var = "_".join([name, *keys]) if keys else f"{name}_data"
             values[var] = arr
             var_dims[var] = [row_dim] + [f"{var}_dim_{i}" for i in range(1, arr.ndim)]
-    return (values, var_dims) if values else None
+    if not values:
+        return
+    used = {d for ds_dims in var_dims.values() for d in ds_dims}
+    ds = xr.Dataset({k: (var_dims[k], v) for k, v in values.items()},
+                    coords={k: v for k, v in (coords or {}).items() if k in used})
+    if "constant_data" in groups:
+        ds = xr.merge([groups["constant_data"], ds])
+    groups["constant_data"] = ds

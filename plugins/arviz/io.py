@@ -1,35 +1,48 @@
-"""Save a run (``arviz.InferenceData``) as netCDF and load it back unchanged.
+"""Save a run as netCDF and load it back unchanged, under either ArviZ major.
 
-netCDF keeps attribute values as numbers, strings and 1-d arrays: a one-element
-list comes back as a scalar and ints as numpy scalars. :func:`save` records which
-attributes were lists; :func:`load` restores them and returns plain Python values,
-so ``load(save(idata, path)).attrs == idata.attrs``. :func:`save` replaces the file
-atomically (a temporary file beside it, flushed to disk, then renamed), so a crash or a
-kill while writing leaves the previous file whole: ``pb.sample``'s checkpoints rely on
-it. :func:`load` of an unfinished checkpoint gives the draws made so far. Imports arviz
-and numpy.
+One file format for both: a netCDF4 file (HDF5, written and read by h5netcdf through
+xarray's public ``DataTree.to_netcdf`` and ``open_datatree``) with one group per ArviZ
+group and the run's attributes at its root. A file written under ArviZ 0.2x loads
+under 1.x and the other way round; :func:`load` returns the installed major's container.
+
+netCDF keeps attribute values as numbers, strings and 1-d arrays: a one-element list
+comes back as a scalar and ints as numpy scalars. :func:`save` records which attributes
+were lists; :func:`load` restores them and returns plain Python values, so
+``load(save(run, path)).attrs == run.attrs``. :func:`save` replaces the file atomically
+(a temporary file beside it, flushed to disk, then renamed), so a crash or a kill while
+writing leaves the previous file whole: ``pb.sample``'s checkpoints rely on it.
+:func:`load` of an unfinished checkpoint gives the draws made so far. Imports xarray,
+numpy and :mod:`.container`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
-import arviz as az
 import numpy as np
+import xarray as xr
 
-__all__ = ["save", "load", "read_groups"]
+from . import container
+
+__all__ = ["save", "load", "read_groups", "write_groups", "ENGINE"]
 
 #: Attribute naming the list-valued attributes of a group (removed again by load).
 LIST_ATTRS = "parallel_backend_list_attrs"
+#: Attribute naming the attributes stored as JSON text: lists that are not all numbers
+#: (ArviZ 1.x's ``sample_dims``), which netCDF cannot store as arrays.
+JSON_ATTRS = "parallel_backend_json_attrs"
+#: netCDF4 with groups, the same library on every stack.
+ENGINE = "h5netcdf"
 
 
-def save(idata, path) -> str:
-    """Write ``idata`` (every group and all attributes) to the netCDF file ``path``.
+def save(run, path) -> str:
+    """Write ``run`` (every group and all attributes) to the netCDF file ``path``.
 
     Parameters
     ----------
-    idata : arviz.InferenceData
+    run : xarray.DataTree or arviz.InferenceData
     path : str or os.PathLike
 
     Returns
@@ -44,33 +57,36 @@ def save(idata, path) -> str:
 
     Examples
     --------
-    >>> import os, tempfile, numpy as np, arviz as az
+    >>> import os, tempfile, numpy as np, xarray as xr
     >>> from parallel_backend.plugins.arviz import save, load
-    >>> idata = az.from_dict(posterior={"mu": np.zeros((2, 5))})
-    >>> idata.attrs["chunk_rows"] = [128]
-    >>> back = load(save(idata, os.path.join(tempfile.mkdtemp(), "run.nc")))
+    >>> from parallel_backend.plugins.arviz.container import build
+    >>> run = build({"posterior": xr.Dataset({"mu": (("chain", "draw"), np.zeros((2, 5)))})},
+    ...             {"chunk_rows": [128]})
+    >>> back = load(save(run, os.path.join(tempfile.mkdtemp(), "run.nc")))
     >>> back.posterior["mu"].shape, back.attrs["chunk_rows"]
     ((2, 5), [128])
     """
+    groups, attrs = container.parts(run)
+    return write_groups(path, groups, attrs)
+
+
+def write_groups(path, groups: dict, attrs: dict) -> str:
+    """Write ``groups`` (``{name: xarray.Dataset}``) and root ``attrs`` to ``path``,
+    atomically (see the module docstring); nothing of the arguments is changed."""
     path = os.fspath(path)
-    originals = [(None, dict(idata.attrs))] + [(g, dict(getattr(idata, g).attrs))
-                                                for g in idata.groups()]
-    try:
-        for group, attrs in originals:
-            target = idata.attrs if group is None else getattr(idata, group).attrs
-            target.update(_encode(attrs, group))
-        with _local_lock():
-            _replace(path, idata.to_netcdf)
-    finally:
-        for group, attrs in originals:
-            target = idata.attrs if group is None else getattr(idata, group).attrs
-            target.clear()
-            target.update(attrs)
+    encoded = {}
+    for name, ds in groups.items():
+        encoded[name] = ds.copy(deep=False)  # a new attrs dict; the data is shared
+        encoded[name].attrs = _encode(dict(ds.attrs), name)
+    tree = xr.DataTree.from_dict({"/": xr.Dataset(attrs=_encode(dict(attrs), None)), **encoded})
+    with _local_lock():
+        _replace(path, lambda tmp: tree.to_netcdf(tmp, engine=ENGINE))
     return path
 
 
 def load(path):
-    """Read a run written by :func:`save`, fully into memory (the file is closed).
+    """Read a run written by :func:`save` (under either ArviZ major), fully into memory
+    (the file is closed).
 
     Parameters
     ----------
@@ -78,11 +94,11 @@ def load(path):
 
     Returns
     -------
-    arviz.InferenceData
-        Equal to the saved one: same groups, values, dtypes and attributes. From a
-        ``pb.sample`` checkpoint of an unfinished run: ``posterior`` and
-        ``sample_stats`` hold the draws every chain has made (``attrs["draws_done"]``
-        per chain), without the sampler state.
+    xarray.DataTree or arviz.InferenceData
+        As the installed ArviZ keeps a run; equal to the saved one: same groups, values,
+        dtypes and attributes. From a ``pb.sample`` checkpoint of an unfinished run:
+        ``posterior`` and ``sample_stats`` hold the draws every chain has made
+        (``attrs["draws_done"]`` per chain), without the sampler state.
 
     Raises
     ------
@@ -91,7 +107,7 @@ def load(path):
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"load: no file at {path!r}; write one with save(idata, path)")
+        raise FileNotFoundError(f"load: no file at {path!r}; write one with save(run, path)")
     attrs, groups = read_groups(path)
     done = attrs.get("draws_done")
     if done is not None:  # an unfinished pb.sample checkpoint: the draws every chain made
@@ -99,30 +115,28 @@ def load(path):
         for name in ("posterior", "sample_stats"):
             if name in groups:
                 groups[name] = groups[name].isel(draw=slice(0, min(done)))
-    idata = az.InferenceData(**groups)
-    idata.attrs.clear()
-    idata.attrs.update(attrs)
-    return idata
+    return container.build(groups, attrs)
 
 
 def read_groups(path) -> tuple:
     """``(attrs, {group: xarray.Dataset})`` of the netCDF file ``path``, read into memory
     with the attributes decoded as :func:`load` returns them, nothing left out.
 
-    The file is opened once and every group read through that handle (``arviz.from_netcdf``
-    opens it again per group): a file replaced meanwhile, as a running ``pb.sample``
-    replaces its checkpoint, is read whole from one version."""
-    import h5netcdf
-    import xarray as xr
-
+    The file is opened once, as one open file that every group is read through: a file
+    replaced meanwhile, as a running ``pb.sample`` replaces its checkpoint, is read whole
+    from one version."""
+    with open(os.fspath(path), "rb") as f:
+        tree = xr.open_datatree(f, engine=ENGINE)
+        try:
+            tree.load()
+        finally:
+            tree.close()
     groups = {}
-    with h5netcdf.File(os.fspath(path), "r") as f:
-        for name in list(f.groups):
-            ds = xr.open_dataset(xr.backends.H5NetCDFStore(f, group=name)).load()
-            ds.attrs = _decode(ds.attrs)
-            groups[name] = ds
-        attrs = _decode(xr.open_dataset(xr.backends.H5NetCDFStore(f)).attrs)
-    return attrs, groups
+    for name, node in tree.children.items():
+        ds = node.to_dataset()
+        ds.attrs = _decode(ds.attrs)
+        groups[name] = ds
+    return _decode(tree.attrs), groups
 
 
 def _local_lock():
@@ -159,28 +173,38 @@ def _replace(path: str, write) -> None:
 
 
 def _encode(attrs: dict, group) -> dict:
-    out, lists = {}, []
+    out, lists, texts = {}, [], []
     for k, v in attrs.items():
-        if isinstance(v, (list, tuple)):
+        if isinstance(v, (list, tuple)) and not all(
+                isinstance(x, (int, float, np.number)) and not isinstance(x, bool) for x in v):
+            texts.append(k)
+            v = json.dumps(list(v))
+        elif isinstance(v, (list, tuple)):
             lists.append(k)
             v = np.asarray(v)
         elif isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"save: attribute {k!r} of {group or 'the InferenceData'} is a bool, "
+            raise TypeError(f"save: attribute {k!r} of {group or 'the run'} is a bool, "
                             "which netCDF cannot store; store it as an int or a str")
         elif v is None or isinstance(v, dict):
-            raise TypeError(f"save: attribute {k!r} of {group or 'the InferenceData'} is "
+            raise TypeError(f"save: attribute {k!r} of {group or 'the run'} is "
                             f"{type(v).__name__}, which netCDF cannot store; drop it or make it a str")
         out[k] = v
     if lists:
         out[LIST_ATTRS] = ",".join(lists)
+    if texts:
+        out[JSON_ATTRS] = ",".join(texts)
     return out
 
 
 def _decode(attrs) -> dict:
     attrs = dict(attrs)
     lists = set(filter(None, str(attrs.pop(LIST_ATTRS, "")).split(",")))
+    texts = set(filter(None, str(attrs.pop(JSON_ATTRS, "")).split(",")))
     out = {}
     for k, v in attrs.items():
+        if k in texts:
+            out[k] = json.loads(v)
+            continue
         if isinstance(v, np.ndarray):
             v = v.tolist()
         elif isinstance(v, np.generic):

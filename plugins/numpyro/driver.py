@@ -199,7 +199,7 @@ def to_device(tree, like):
 
 
 class Run:
-    """A finished run as ``pb.to_arviz`` and ``arviz.from_numpyro`` read a NumPyro ``MCMC``.
+    """A finished run, with ``MCMC``'s accessors for its draws.
 
     Parameters
     ----------
@@ -218,9 +218,9 @@ class Run:
     def __init__(self, kernel, fields, buffers, last_state, model_args, model_kwargs):
         self.sampler = kernel
         self.fields = tuple(fields)
-        self._values = dict(zip(self.fields, buffers))
+        self.values = dict(zip(self.fields, buffers))
         self.last_state = last_state
-        self._args, self._kwargs = tuple(model_args), dict(model_kwargs)
+        self.model_args, self.model_kwargs = tuple(model_args), dict(model_kwargs)
         first = jax.tree.leaves(buffers[0])[0]
         self.num_chains, self.num_samples = int(first.shape[0]), int(first.shape[1])
 
@@ -230,8 +230,8 @@ class Run:
         return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), value)
 
     def get_samples(self, group_by_chain: bool = False):
-        return self._get(self._values[self.fields[0]], group_by_chain)
+        return self._get(self.values[self.fields[0]], group_by_chain)
 
     def get_extra_fields(self, group_by_chain: bool = False) -> dict:
-        return {k: self._get(v, group_by_chain) for k, v in self._values.items()
+        return {k: self._get(v, group_by_chain) for k, v in self.values.items()
                 if k != self.fields[0]}

@@ -9,7 +9,7 @@ except ImportError as e:  # pragma: no cover - numpyro is a core dependency
 
 import parallel_backend as pb
 
-from .replay import INFER_KEY, factor_sites
+from .replay import INFER_KEY, FactorUnit, factor_sites
 
 __all__ = ["factor", "reduce_sum_sites"]
 
@@ -51,12 +51,10 @@ def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=No
         raise TypeError(f"factor: name must be a str, got {type(name).__name__}")
     value = pb.reduce_sum(fn, data, *shared, executor=executor, grainsize=grainsize,
                           block_rows=block_rows)
-    info = dict(fn=fn, data=data, shared=shared, executor=executor, grainsize=grainsize,
-                block_rows=block_rows)
-    # As numpyro.factor: a site of a Unit distribution observed at an empty value;
-    # the infer dict carries our inputs through handlers such as trace and substitute.
-    unit = numpyro.distributions.Unit(value)
-    numpyro.sample(name, unit, obs=unit.sample(None), infer={"is_auxiliary": True, INFER_KEY: info})
+    # As numpyro.factor: a site of a Unit distribution observed at an empty value; the
+    # distribution carries our inputs through handlers such as trace and substitute.
+    unit = FactorUnit(value, fn, data, shared, executor, grainsize, block_rows)
+    numpyro.sample(name, unit, obs=unit.sample(None), infer={"is_auxiliary": True, INFER_KEY: True})
     return value
 
 

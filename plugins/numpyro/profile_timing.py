@@ -20,7 +20,7 @@ from numpyro.primitives import Messenger
 import parallel_backend as pb
 from parallel_backend.extend import cpu_count
 
-from .replay import INFER_KEY, trace_model
+from .replay import site_inputs, trace_model
 
 __all__ = ["swap_factors", "executors_to_profile", "gradient_fn", "initial_params",
            "time_interleaved", "Timings", "identical"]
@@ -50,8 +50,8 @@ class swap_factors(Messenger):
         super().__init__(fn)
 
     def process_message(self, msg):
-        info = (msg.get("infer") or {}).get(INFER_KEY)
-        if msg["type"] != "sample" or info is None:
+        info = site_inputs(msg)
+        if info is None:
             return
         fn, data, shared = info["fn"], info["data"], info["shared"]
         if self.executor is None:

@@ -11,6 +11,7 @@ whatever the process is doing then (sampling, or writing the next checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ import pytest
 
 import helpers
 import parallel_backend as pb
-from helpers import regression_data, regression_model
+from helpers import regression_data, regression_model, run_groups
 from parallel_backend.plugins.arviz import load, save
 from parallel_backend.plugins.arviz.io import read_groups
 from parallel_backend.plugins.numpyro import CheckpointError
@@ -155,7 +156,7 @@ def test_killed_in_warmup_and_in_sampling_then_finished_elsewhere_is_bitwise(
     assert RUN["num_warmup"] + 8 <= second["iteration"][0] < TOTAL, second["iteration"]
     partial = load(path)  # an unfinished checkpoint: the draws made so far
     made = second["iteration"][0] - RUN["num_warmup"]
-    assert partial.posterior.sizes["draw"] == made and "sampler_state" not in partial.groups()
+    assert partial.posterior.sizes["draw"] == made and "sampler_state" not in run_groups(partial)
     assert_identical(partial.posterior["alpha"].values,
                      uninterrupted["vectorized"].posterior["alpha"].values[:, :made])
 
@@ -331,3 +332,76 @@ def test_scheduler_killed_mid_run_fails_fast_then_the_run_continues_on_a_new_clu
                              arviz_kwargs={"log_likelihood": False}, **RUN)
     assert_identical(draws(done), draws(uninterrupted["vectorized"]))
     assert done.attrs["resume_count"] == 1 and done.attrs["executor"] == "dask"
+
+
+# -- across the two supported stacks ----------------------------------------------------------
+
+#: The other stack's interpreter (a venv with this package installed): ``.ci/run`` sets it
+#: for each of its two passes, so each direction runs in CI.
+OTHER_PYTHON = os.environ.get("PB_OTHER_PYTHON")
+
+OTHER_INFO = "import sys, jax, arviz; print(sys.version.split()[0], jax.__version__, arviz.__version__)"
+
+OTHER_LOAD = textwrap.dedent("""
+    import sys
+    from parallel_backend.plugins.arviz import load
+    run = load(sys.argv[1])
+    print(type(run).__name__, dict(run.posterior.sizes)["draw"],
+          float(run.posterior["alpha"].values.sum()), run.attrs["checkpoint_status"])
+""")
+
+
+@pytest.mark.skipif(not OTHER_PYTHON, reason="PB_OTHER_PYTHON (the other stack's python, "
+                    "set by .ci/run) is not set")
+def test_a_checkpoint_moves_between_python_stacks(tmp_path, uninterrupted, assert_identical):
+    """A run killed mid-sampling under the other stack (another Python, JAX and ArviZ
+    major) resumes here, with a warning where the JAX versions differ; the finished file
+    then loads there, and a file written there loads here."""
+    other = subprocess.run([OTHER_PYTHON, "-c", OTHER_INFO], capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode == 0, f"PB_OTHER_PYTHON={OTHER_PYTHON} does not run: {other.stderr}"
+    _, other_jax, _ = other.stdout.split()
+
+    path = tmp_path / "run.nc"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = CHILD.format(here=here, tests=os.path.dirname(here))
+    proc = subprocess.run([OTHER_PYTHON, "-c", code, str(path), "serial",
+                           str(2 * (RUN["num_warmup"] + 8)), "vectorized"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    made = read_groups(path)[0]["draws_done"][0]
+    assert made >= 8
+
+    import jax
+
+    with pytest.warns(UserWarning, match="jax") if other_jax != jax.__version__ \
+            else contextlib.nullcontext():
+        done = pb.sample(model, make_data(), chain_method="vectorized", checkpoint=path,
+                         checkpoint_every=EVERY, **RUN)
+    assert done.attrs["resume_count"] == 1 and done.attrs["checkpoint_status"] == "finished"
+    assert done.posterior["alpha"].shape == (RUN["num_chains"], RUN["num_samples"])
+    assert np.isfinite(done.posterior["alpha"].values).all()
+    if other_jax == jax.__version__:
+        assert_identical(draws(done), draws(uninterrupted["vectorized"]))
+
+    back = subprocess.run([OTHER_PYTHON, "-c", OTHER_LOAD, str(path)], capture_output=True,
+                          text=True, timeout=300)
+    assert back.returncode == 0, back.stderr
+    kind, n_draws, total, status = back.stdout.split()
+    assert int(n_draws) == RUN["num_samples"] and status == "finished"
+    np.testing.assert_allclose(float(total), float(done.posterior["alpha"].values.sum()),
+                               rtol=1e-6)
+
+    # A whole run written there, read here.
+    theirs = tmp_path / "theirs.nc"
+    write = ("import sys; sys.path[:0] = [{here!r}, {tests!r}]\n"
+             "import parallel_backend as pb\n"
+             "from test_checkpoint import RUN, make_data, model\n"
+             "pb.sample(model, make_data(), checkpoint=sys.argv[1], **RUN)\n")
+    made_there = subprocess.run([OTHER_PYTHON, "-c", write.format(here=here,
+                                                                  tests=os.path.dirname(here)),
+                                 str(theirs)], capture_output=True, text=True, timeout=300)
+    assert made_there.returncode == 0, made_there.stderr
+    loaded = load(theirs)
+    assert set(run_groups(loaded)) >= {"posterior", "sample_stats", "log_likelihood"}
+    assert loaded.posterior["alpha"].shape == (RUN["num_chains"], RUN["num_samples"])

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from parallel_backend.plugins.numpyro.demo import hmm_loglik, make_hmm_data, run_demo
+from parallel_backend.plugins.cli.demo import hmm_loglik, make_hmm_data, run_demo
 
 
 def test_hmm_loglik_is_the_forward_algorithm():
@@ -74,7 +74,7 @@ def test_run_demo_hmm_agrees_with_plain_and_truth():
 
 def test_cli_demo_runs_and_reports():
     proc = subprocess.run(
-        [sys.executable, "-m", "parallel_backend.plugins.numpyro.cli", "demo", "--sequences",
+        [sys.executable, "-m", "parallel_backend.plugins.cli.main", "demo", "--sequences",
          "20", "--warmup", "15", "--samples", "15", "--workers", "2", "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -83,6 +83,6 @@ def test_cli_demo_runs_and_reports():
 
 @pytest.mark.parametrize("flag", ["--rows", "--sequences", "--warmup"])
 def test_cli_rejects_bad_sizes(flag):
-    proc = subprocess.run([sys.executable, "-m", "parallel_backend.plugins.numpyro.cli", "demo",
+    proc = subprocess.run([sys.executable, "-m", "parallel_backend.plugins.cli.main", "demo",
                            flag, "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and flag in proc.stderr and "positive" in proc.stderr

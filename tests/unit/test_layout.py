@@ -72,6 +72,41 @@ def test_no_module_over_400_lines(path):
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
 
 
+def plugin_imports(path: Path, plugin: str) -> set[str]:
+    """What ``path`` imports of the plugin ``plugin`` (absolute or relative imports)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith(plugin))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module and node.module.startswith(plugin):
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            elif node.level >= 2 and (node.module or "").split(".")[0] == plugin.split(".")[-1]:
+                out.add(f"{plugin}.{node.module}")  # from ..arviz import x
+    return out
+
+
+@pytest.mark.parametrize("path", modules(PLUGINS / "numpyro"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_numpyro_plugin_never_imports_arviz(path):
+    """The plugins depend one way: ArviZ on NumPyro, never NumPyro on ArviZ."""
+    bad = plugin_imports(path, "parallel_backend.plugins.arviz") | {
+        n for n in imported(path) if n.split(".")[0] in ("arviz", "arviz_base", "xarray")}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", modules(PLUGINS / "arviz"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_arviz_plugin_uses_only_the_numpyro_plugins_public_names(path):
+    import parallel_backend.plugins.numpyro as npl
+
+    public = {"parallel_backend.plugins.numpyro"} | {
+        f"parallel_backend.plugins.numpyro.{n}" for n in npl.__all__}
+    bad = sorted(n for n in plugin_imports(path, "parallel_backend.plugins.numpyro")
+                 if n not in public)
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}, not in the NumPyro plugin's __all__"
+
+
 def test_the_interface_module_names_only_what_exists():
     missing = [n for n in extend.__all__ if not hasattr(extend, n)]
     assert not missing and len(extend.__all__) == len(set(extend.__all__))

@@ -1,43 +1,44 @@
-"""``pb.sample``: NumPyro NUTS on an executor, returned as ``arviz.InferenceData``;
-checkpoints and resuming.
+"""``pb.sample``: NumPyro's NUTS on an executor, returned in ArviZ's format; checkpoints,
+resuming, and a finished run that no later error can lose.
 
-The chains run in the loop of :mod:`.driver` (NumPyro's ``kernel.init`` and
-``kernel.sample``, bitwise ``MCMC.run``'s draws), with the progress callback of
-:mod:`.progress` compiled in; it also splits the wall time between warmup and
-sampling. With ``checkpoint=`` the loop runs in segments of ``checkpoint_every``
-iterations, each followed by a checkpoint (:mod:`.checkpoint`); every segment, and an
-uninterrupted run, is the same compiled program, so a resumed run's draws are those of
-an uninterrupted one. The result goes through ``pb.to_arviz``, which computes the
-pointwise log-likelihood on the same executor. ArviZ is imported inside
-:func:`sample`, so this module imports without it. Imports jax, numpyro and the core's
-public names.
+The chains run in the NumPyro plugin's loop (``Chains``: NumPyro's ``kernel.init`` and
+``kernel.sample``, bitwise ``MCMC.run``'s draws), with the progress callback compiled
+in; it also splits the wall time between warmup and sampling. With ``checkpoint=`` the
+loop runs in segments of ``checkpoint_every`` iterations, each followed by a checkpoint
+(:mod:`.checkpoint`); every segment, and an uninterrupted run, is the same compiled
+program, so a resumed run's draws are those of an uninterrupted one. The result goes
+through :func:`~.convert.to_arviz`, which computes the pointwise log-likelihood on the
+same executor; if that or anything else after sampling fails, the draws are in a
+checkpoint file and :class:`ConversionError` says where. Imports jax, numpy, numpyro,
+the core's and the NumPyro plugin's public names.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import numbers
 import os
+import tempfile
+import time
 import warnings
 
 import jax
 import numpy as np
-import numpyro
 from numpyro.infer import NUTS
 from numpyro.infer.hmc import HMC
 from numpyro.infer.mcmc import MCMCKernel
 
 import parallel_backend as pb
 from parallel_backend.extend import check_count, resolve_executor
+from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, Chains, Progress, check,
+                                              collected_fields, draw_names, fingerprint,
+                                              lanes_for, signature, terminal, to_host, unpack)
 
 from . import checkpoint as ckpt
-from .chains import Chains
-from .driver import collected_fields, lanes_for, to_host
-from .progress import Progress, terminal
-from .replay import HMC_EXTRA_FIELDS
+from .convert import to_arviz
+from .io import load
 
-__all__ = ["sample"]
+__all__ = ["sample", "ConversionError"]
 
 CHAIN_METHODS = ("vectorized", "parallel", "sequential")
 
@@ -46,7 +47,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
            chain_method="vectorized", seed=0, executor=None, progress_bar=True,
            init_params=None, nuts_kwargs=None, arviz_kwargs=None, checkpoint=None,
            checkpoint_every=100, **model_kwargs):
-    """Run NumPyro's NUTS on ``model`` and return ``arviz.InferenceData``.
+    """Run NumPyro's NUTS on ``model`` and return the run in ArviZ's format.
 
     Every ``pb.reduce_sum``/``pb.factor`` inside the model runs on ``executor``
     (unless the site names its own). With ``chain_method="vectorized"`` the chains
@@ -94,8 +95,9 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
 
     Returns
     -------
-    arviz.InferenceData
-        See :func:`parallel_backend.to_arviz`; ``attrs`` also hold
+    xarray.DataTree or arviz.InferenceData
+        As the installed ArviZ keeps a run (1.x: ``DataTree``; 0.2x: ``InferenceData``);
+        see :func:`parallel_backend.to_arviz`. ``attrs`` also hold
         ``warmup_seconds`` and ``sampling_seconds`` (compilation included, all parts
         of a resumed run added), ``resume_count`` and, for a resumed run,
         ``resumed_from`` (the iteration each resume started at; with sequential
@@ -110,6 +112,9 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
         ``checkpoint`` in a folder that does not exist.
     parallel_backend.plugins.numpyro.CheckpointError
         ``checkpoint`` holds another run, or is not a checkpoint (a ``ValueError``).
+    ConversionError
+        Sampling finished, but converting the run failed; the error says in which file
+        the draws are (a checkpoint: ``checkpoint`` or one of its own) and carries them.
 
     Examples
     --------
@@ -135,12 +140,6 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     >>> bool((a.posterior["mu"] == idata.posterior["mu"]).all()), b.attrs["checkpoint_status"]
     (True, 'finished')
     """
-    try:
-        import arviz  # noqa: F401 - fail before sampling, not after
-    except ImportError as e:
-        raise ImportError('pb.sample returns arviz.InferenceData and needs ArviZ: '
-                          'pip install "parallel-backend[arviz]"') from e
-
     _check_count("num_warmup", num_warmup, 0)
     _check_count("num_samples", num_samples, 1)
     _check_count("num_chains", num_chains, 1)
@@ -161,26 +160,23 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     key = _key(seed)
     path = _path(checkpoint)
     lanes = lanes_for(chain_method, num_chains)
+    settings = _settings(num_warmup, num_samples, num_chains, chain_method, seed, init_params)
 
-    fingerprint = saved = None
+    print_ = fingerprint(model, kernel, settings, model_args, model_kwargs)
+    saved = None
     if path is not None:
-        fingerprint = ckpt.fingerprint(model, kernel, _settings(
-            num_warmup, num_samples, num_chains, chain_method, seed, init_params),
-            model_args, model_kwargs)
         saved = ckpt.read(path)
         if saved is not None:
-            ckpt.check(saved, fingerprint, path)
+            check(saved, print_, path)
             if saved.finished:
-                from parallel_backend.plugins.arviz.io import load
-
                 return load(path)
-            _warn_version(saved, path)
+            ckpt.warn_versions(saved, path)
 
     own = isinstance(executor, str)
     ex = resolve_executor(executor)
     try:
-        history = _History(saved, num_warmup + num_samples,
-                           lanes.kind == "each" and num_chains > 1)
+        history = ckpt.History(saved, num_warmup + num_samples,
+                               lanes.kind == "each" and num_chains > 1)
         progress = Progress(ex, num_chains, num_warmup, num_samples,
                             enabled=bool(progress_bar) and terminal(), done=history.transitions,
                             resumed_from=history.resumed_at, resume_count=history.count)
@@ -193,75 +189,78 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
         on_segment = None
         with pb.use_executor(ex), progress:
             one, draws = chains.start(key, init_params, resume=saved is not None)
+            print_.update(signature(one, draws))
+            if saved is not None:
+                check(saved, print_, path)
+                names = draw_names(fields, draws)
+                chains.restore(unpack(saved.state, jax.tree.leaves(to_host(one))),
+                               [saved.draws[n] for n in names], saved.done)
             if path is not None:
-                signature = ckpt.signature(one, draws)
-                if saved is not None:
-                    ckpt.check(saved, signature, path)
-                    names = ckpt.draw_names(fields, draws)
-                    chains.restore(ckpt.unpack(saved.state, jax.tree.leaves(to_host(one))),
-                                   [saved.draws[n] for n in names], saved.done)
-                fingerprint.update(signature)
-                on_segment = _writer(path, chains, fields, draws, fingerprint, history, progress)
+                on_segment = ckpt.writer(path, chains, fields, draws, print_, history, progress)
             chains.run(checkpoint_every if path is not None else None, on_segment)
             progress.finish()
         attrs = {"chain_method": chain_method if isinstance(chain_method, str) else "callable",
                  "num_warmup": int(num_warmup), **history.attrs(progress.seconds)}
-        idata = pb.to_arviz(chains.result(), executor=ex, attrs=attrs, **(arviz_kwargs or {}))
+        # From here on the draws exist: whatever fails must not lose them.
+        try:
+            run = to_arviz(chains.result(), executor=ex, attrs=attrs, **(arviz_kwargs or {}))
+        except Exception as e:
+            raise _rescue(e, path, chains, fields, draws, print_, history, progress) from e
         if path is not None:
-            ckpt.finish(path, idata, fingerprint)
-        return idata
+            try:
+                ckpt.finish(path, run, print_)
+            except Exception as e:  # noqa: BLE001 - the run is in hand; the file has the draws
+                warnings.warn(f"sample: the finished run could not be written to {path!r} "
+                              f"({type(e).__name__}: {e}); it is returned, and the file still "
+                              "holds every draw as an unfinished checkpoint", stacklevel=2)
+        return run
     finally:
         if own:
             ex.close()
 
 
-class _History:
-    """A run's parts so far: resumes (from a checkpoint's attributes) and wall seconds."""
+class ConversionError(RuntimeError):
+    """Sampling finished, but what came after it (the conversion to ArviZ's format, the
+    pointwise log-likelihood) failed. The draws are not lost: ``path`` is a checkpoint
+    file that holds every draw and the sampler state (``load(path)`` reads the draws;
+    ``pb.sample(..., checkpoint=path)`` with the same arguments converts them again),
+    and ``run`` holds them in memory (``run.get_samples(group_by_chain=True)``).
 
-    def __init__(self, saved, total: int, sequential: bool):
-        before = saved.attrs if saved is not None else {}
-        self.count = int(before.get("resume_count", 0)) + (saved is not None)
-        self.resumed_from = list(before.get("resumed_from", []))
-        self.resumed_chain = list(before.get("resumed_chain", []))
-        self.seconds = {"warmup": float(before.get("warmup_seconds", 0.0)),
-                        "sample": float(before.get("sampling_seconds", 0.0))}
-        self.transitions = int(np.sum(saved.done)) if saved is not None else 0
-        self.resumed_at = None
-        self.sequential = sequential
-        if saved is not None:
-            # The first chain not finished: where this part starts.
-            chain = next((c for c, d in enumerate(saved.done) if d < total), len(saved.done) - 1)
-            self.resumed_at = int(saved.done[chain])
-            self.resumed_from.append(self.resumed_at)
-            self.resumed_chain.append(chain)
+    Attributes
+    ----------
+    path : str or None
+        Where the draws were written (``None`` if that failed too).
+    run : object
+        The finished run, with ``MCMC``'s ``get_samples`` and ``get_extra_fields``.
+    """
 
-    def attrs(self, seconds: dict) -> dict:
-        """``warmup_seconds``/``sampling_seconds`` of every part, and the resumes."""
-        out = {"warmup_seconds": self.seconds["warmup"] + seconds["warmup"],
-               "sampling_seconds": self.seconds["sample"] + seconds["sample"],
-               "resume_count": self.count}
-        if self.count:
-            out["resumed_from"] = list(self.resumed_from)
-            if self.sequential:
-                out["resumed_chain"] = list(self.resumed_chain)
-        return out
+    def __init__(self, message, path, run):
+        super().__init__(message)
+        self.path = path
+        self.run = run
 
 
-def _writer(path, chains, fields, draws, fingerprint, history, progress):
-    """What runs after each segment: the checkpoint of everything so far."""
-    names = ckpt.draw_names(fields, draws)
-    base = {"parallel_backend_version": pb.__version__, "jax_version": jax.__version__,
-            "numpyro_version": numpyro.__version__,
-            "checkpoint_fingerprint": json.dumps(fingerprint, sort_keys=True),
-            "num_chains": chains.num_chains, "num_samples": chains.num_samples,
-            "num_warmup": chains.num_warmup}
-
-    def write():
-        state, values, done = chains.snapshot()
-        ckpt.write(path, attrs={**base, **history.attrs(progress.seconds)}, state_leaves=state,
-                   draws=dict(zip(names, values)), done=done, num_warmup=chains.num_warmup)
-
-    return write
+def _rescue(error, path, chains, fields, draws, print_, history, progress) -> ConversionError:
+    """The error to raise when sampling finished but its conversion failed: the draws
+    written to ``path`` (the checkpoint holds them already) or to a file of their own."""
+    what = f"{type(error).__name__}: {error}"
+    if path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(tempfile.gettempdir(), f"parallel_backend-{stamp}-{os.getpid()}.nc")
+        try:
+            ckpt.writer(path, chains, fields, draws, print_, history, progress)()
+        except Exception as e:  # noqa: BLE001 - say so; the draws are still carried
+            return ConversionError(
+                f"sample: sampling finished, then {what}. Writing the draws to {path!r} failed "
+                f"too ({type(e).__name__}: {e}); they are in this error's .run "
+                "(.run.get_samples(group_by_chain=True)).", None, chains.result())
+    return ConversionError(
+        f"sample: sampling finished, then {what}. Nothing is lost: every draw and the "
+        f"sampler state are in {path!r}. Read the draws with "
+        f"parallel_backend.plugins.arviz.load({path!r}), or call pb.sample again with the same "
+        f"model, arguments and settings and checkpoint={path!r} to convert them again "
+        "without sampling (after fixing the cause). This error's .run holds them too.",
+        path, chains.result())
 
 
 def _settings(num_warmup, num_samples, num_chains, chain_method, seed, init_params) -> dict:
@@ -270,14 +269,6 @@ def _settings(num_warmup, num_samples, num_chains, chain_method, seed, init_para
     return {"num_warmup": num_warmup, "num_samples": num_samples, "num_chains": num_chains,
             "chain_method": chain_method, "init_params": init_params,
             "seed": seed if isinstance(seed, numbers.Integral) else to_host(seed).tolist()}
-
-
-def _warn_version(saved, path) -> None:
-    version = saved.attrs.get("parallel_backend_version")
-    if version != pb.__version__:
-        warnings.warn(f"sample: the checkpoint {path!r} was written by parallel_backend "
-                      f"{version}, this is {pb.__version__}: its draws may differ from an "
-                      "uninterrupted run's", stacklevel=3)
 
 
 def _path(checkpoint):

@@ -261,8 +261,7 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
     if timing:
         print_fn("measured once per gradient, to choose: " + ", ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in sorted(timing.items())))
-    summary = _summary(az, fit, list(names))
-    print_fn(summary[["mean", "sd", "hdi_5%", "hdi_95%", "r_hat"]].to_string())
+    print_fn(_summary(az, fit, list(names)).to_string())
     if fit.posterior.sizes["chain"] < 2:
         print_fn("(r_hat needs two chains or more: --chains 2)")
     print_fn("truth: " + "; ".join(f"{k}={np.round(np.asarray(v), 2).tolist()}"
@@ -276,8 +275,18 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
 
 
 def _summary(az, fit, names):
-    """``az.summary`` of ``names``; r_hat needs two chains or more, so with one the
+    """``az.summary`` of ``names`` with a 90% interval, under either ArviZ major: mean, sd,
+    the interval's bounds and r_hat. r_hat needs two chains or more, so with one the
     column is NaN and arviz is not asked for it (it would warn)."""
-    if fit.posterior.sizes["chain"] > 1:
-        return az.summary(fit, var_names=names, hdi_prob=0.9)
-    return az.summary(fit, var_names=names, hdi_prob=0.9, kind="stats").assign(r_hat=np.nan)
+    from parallel_backend.plugins.arviz import DATATREE
+
+    kind = "all" if fit.posterior.sizes["chain"] > 1 else "stats"
+    if DATATREE:
+        table = az.summary(fit, var_names=names, ci_prob=0.9, ci_kind="hdi", kind=kind,
+                           round_to=2)
+    else:
+        table = az.summary(fit, var_names=names, hdi_prob=0.9, kind=kind)
+    interval = [c for c in table.columns if c.startswith("hdi")][:2]
+    if "r_hat" not in table.columns:
+        table = table.assign(r_hat=np.nan)
+    return table[["mean", "sd", *interval, "r_hat"]]

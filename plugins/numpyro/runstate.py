@@ -1,33 +1,26 @@
-"""Checkpoints of ``pb.sample``: what a file holds, whether it fits a run, writing it.
+"""What identifies a ``pb.sample`` run, and its sampler state as bytes.
 
-A checkpoint is a netCDF file (written by :func:`parallel_backend.plugins.arviz.save`,
-so atomically) with the draws so far in ``posterior`` and ``sample_stats`` (full size,
-``attrs["draws_done"]`` per chain made), every chain's sampler state in a
-``sampler_state`` group (``state``: the bytes of the leaves of NumPyro's state, one
-row per chain, and ``done``, the transitions each chain has made), and in ``attrs`` the
-run's
+A checkpoint (written and read by :mod:`parallel_backend.plugins.arviz.checkpoint`)
+holds the draws so far, every chain's sampler state and, in its attributes, the run's
 *fingerprint*: the settings, the model's name, the structure and a digest of its
 arguments, and the structure of the sampler state and of the draws. A second call of
 ``pb.sample`` continues a file only if its fingerprint is this run's; otherwise
-:class:`CheckpointError` lists what differs. When the run has finished, the file is
-replaced by the whole run (``attrs["checkpoint_status"] == "finished"``).
+:class:`CheckpointError` lists what differs.
 
 The state is kept as raw bytes, one variable instead of one per leaf: exact by
 construction, and a netCDF variable costs milliseconds to write, which a checkpoint pays
 every ``checkpoint_every`` iterations. :func:`pack`/:func:`unpack` convert; the
 structure that gives the bytes their meaning is in the fingerprint.
 
-Owns :data:`FORMAT`, :func:`fingerprint`, :func:`signature`, :func:`read`,
-:func:`check`, :func:`write` and :func:`finish`. Imports numpy and jax; xarray and the ArviZ plugin
-inside the functions that read and write files.
+Owns :class:`CheckpointError`, :class:`Saved`, :func:`fingerprint`, :func:`signature`,
+:func:`draw_names`, :func:`pack`, :func:`unpack` and :func:`check`. Imports numpy, jax
+and the core's public names; no file is read or written here.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import os
 import sys
 from typing import NamedTuple
 
@@ -37,19 +30,15 @@ import numpy as np
 import parallel_backend as pb
 
 from .driver import is_key
+from .internals import kernel_function, kernel_settings
 
-__all__ = ["FORMAT", "CheckpointError", "Saved", "fingerprint", "signature", "draw_names",
-           "pack", "unpack", "read", "check", "write", "finish"]
+__all__ = ["CheckpointError", "Saved", "fingerprint", "signature", "draw_names", "pack",
+           "unpack", "check", "STAT_NAMES"]
 
-#: The layout of the files this version writes and reads.
-FORMAT = 1
 #: ArviZ's names of NumPyro's state fields in ``sample_stats`` (``lp`` is minus the
 #: potential energy).
 STAT_NAMES = {"potential_energy": "lp", "adapt_state.step_size": "step_size",
               "num_steps": "n_steps", "accept_prob": "acceptance_rate"}
-#: Attributes of NumPyro's HMC that it builds from the model at ``init``: not settings.
-_BUILT_AT_INIT = {"_model", "_potential_fn", "_init_fn", "_sample_fn", "_potential_fn_gen",
-                  "_postprocess_fn", "_inv_transforms", "_dynamic_support"}
 
 
 class CheckpointError(ValueError):
@@ -66,7 +55,7 @@ class Saved(NamedTuple):
     fingerprint : dict
         ``{item: description}`` of the run that wrote it.
     finished : bool
-        The file holds the whole run (an ``InferenceData``; nothing else is read).
+        The file holds the whole run (ArviZ data; nothing else is read).
     done : numpy.ndarray or None
         Transitions made per chain.
     state : numpy.ndarray or None
@@ -111,13 +100,12 @@ def signature(state, draws) -> dict:
 
 
 def _name(model) -> str:
-    model = getattr(model, "model", None) or getattr(model, "_potential_fn", None) or model
+    model = kernel_function(model) or model
     return getattr(model, "__qualname__", type(model).__name__)
 
 
 def _describe_kernel(kernel) -> str:
-    items = [f"{k.lstrip('_')}={_describe(v)}" for k, v in sorted(vars(kernel).items())
-             if k not in _BUILT_AT_INIT]
+    items = [f"{k}={_describe(v)}" for k, v in kernel_settings(kernel).items()]
     return f"{type(kernel).__name__}({', '.join(items)})"
 
 
@@ -216,54 +204,7 @@ def draw_names(fields, buffers) -> list:
     return names
 
 
-# -- reading and checking ---------------------------------------------------------------
-
-
-def read(path) -> Saved | None:
-    """The checkpoint at ``path``; ``None`` if there is no file.
-
-    Raises
-    ------
-    CheckpointError
-        The file is not a checkpoint, cannot be read, or was written in another format.
-    """
-    if not os.path.exists(path):
-        return None
-    from parallel_backend.plugins.arviz.io import read_groups
-
-    try:
-        attrs, groups = read_groups(path)
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise CheckpointError(
-            f"sample: the checkpoint {path!r} exists but cannot be read as netCDF "
-            f"({type(e).__name__}: {e}). Pass another checkpoint path, or delete the file to "
-            "start over; it was not changed.") from e
-    fmt = attrs.get("checkpoint_format")
-    if fmt is None or "checkpoint_fingerprint" not in attrs:
-        raise CheckpointError(
-            f"sample: {path!r} exists but is not a pb.sample checkpoint (it has no "
-            "checkpoint_format attribute). Pass another checkpoint path, or delete the file "
-            "to start over; it was not changed.")
-    if fmt != FORMAT:
-        raise CheckpointError(
-            f"sample: the checkpoint {path!r} was written by parallel_backend "
-            f"{attrs.get('parallel_backend_version', '?')} in checkpoint format {fmt}; this is "
-            f"parallel_backend {pb.__version__}, which reads format {FORMAT} only. Continue "
-            "it with the version that wrote it, or pass another checkpoint path (or delete "
-            "the file) to start over; it was not changed.")
-    fp = json.loads(attrs["checkpoint_fingerprint"])
-    if attrs.get("checkpoint_status") == "finished":
-        return Saved(attrs, fp, True)
-    st = groups.get("sampler_state")
-    if st is None:
-        raise CheckpointError(f"sample: the checkpoint {path!r} has no sampler_state group, so "
-                              "it cannot be continued. Pass another checkpoint path, or delete "
-                              "the file to start over; it was not changed.")
-    draws = {(g, name): groups[g][name].values for g in ("posterior", "sample_stats")
-             if g in groups for name in groups[g].data_vars}
-    if ("sample_stats", "lp") in draws:  # stored as ArviZ's lp: back to the potential energy
-        draws["sample_stats", "lp"] = -draws["sample_stats", "lp"]
-    return Saved(attrs, fp, False, np.asarray(st["done"].values), st["state"].values, draws)
+# -- checking ----------------------------------------------------------------------------
 
 
 def check(saved: Saved, current: dict, path) -> None:
@@ -292,57 +233,3 @@ def _difference(old: str, new: str) -> str:
         a, b = [x for x in a if x not in b][:3], [x for x in b if x not in a][:3]
         old, new = "; ".join(a) or "(none)", "; ".join(b) or "(none)"
     return f"{old} in the checkpoint, {new} now"
-
-
-# -- writing ----------------------------------------------------------------------------
-
-
-def write(path, *, attrs: dict, state_leaves, draws: dict, done, num_warmup: int) -> None:
-    """Write a running checkpoint to ``path``, atomically (a crash leaves the previous one).
-
-    Parameters
-    ----------
-    attrs : dict
-        Root attributes, the fingerprint (as ``checkpoint_fingerprint``, JSON) included.
-    state_leaves : list of numpy.ndarray
-        The sampler state's leaves, stacked on a chain axis (typed keys as key data);
-        stored packed (:func:`pack`).
-    draws : dict
-        ``{(group, name): (chains, draws, ...) array}``.
-    done : sequence of int
-        Transitions made per chain.
-    num_warmup : int
-    """
-    import arviz as az
-    import xarray as xr
-
-    from parallel_backend.plugins.arviz.io import save
-
-    done = np.asarray(done, np.int64)
-    n_chains = len(done)
-    groups = {}
-    for (group, name), value in draws.items():
-        value = -value if (group, name) == ("sample_stats", "lp") else value
-        dims = ("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(value.ndim - 2))
-        groups.setdefault(group, {})[name] = (dims, value)
-    datasets = {g: xr.Dataset(v, coords={"chain": np.arange(n_chains),
-                                         "draw": np.arange(next(iter(v.values()))[1].shape[1])})
-                for g, v in groups.items()}
-    datasets["sampler_state"] = xr.Dataset({"state": (("chain", "state_byte"), pack(state_leaves)),
-                                            "done": (("chain",), done)})
-    idata = az.InferenceData(**datasets)
-    idata.attrs.update(attrs)
-    idata.attrs.update({"checkpoint_format": FORMAT, "checkpoint_status": "running",
-                        "iteration": [int(d) for d in done],
-                        "draws_done": [int(max(d - num_warmup, 0)) for d in done]})
-    save(idata, path)
-
-
-def finish(path, idata, fingerprint: dict) -> None:
-    """Replace the checkpoint at ``path`` by the whole run ``idata`` (its attributes
-    marking it finished, for a later call to return as it is)."""
-    from parallel_backend.plugins.arviz.io import save
-
-    idata.attrs.update({"checkpoint_format": FORMAT, "checkpoint_status": "finished",
-                        "checkpoint_fingerprint": json.dumps(fingerprint, sort_keys=True)})
-    save(idata, path)

@@ -5,8 +5,8 @@ is replayed with posterior draws substituted (NumPyro handlers, ``vmap`` over a
 chunk of draws), which gives each ``pb.factor`` site's ``data`` and ``shared`` per
 draw; then ``fn`` is evaluated on row chunks of them, on an executor
 (:meth:`Executor.map`). Leaves that do not depend on the draws are found from the
-replay's jaxpr and kept once, not once per draw. It imports jax, numpy, numpyro,
-the core's public names and the NumPyro plugin; never ArviZ.
+replay's jaxpr and kept once, not once per draw. It imports jax, numpy, numpyro and
+the core's public names; never ArviZ.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import parallel_backend as pb
-from parallel_backend.plugins.numpyro.replay import factor_sites, quietly, trace_model
+
+from .replay import factor_sites, quietly, trace_model
 
 __all__ = ["pointwise_log_likelihood", "LogLikPlan", "default_chunks"]
 
@@ -92,7 +93,7 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
     --------
     >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import parallel_backend as pb
-    >>> from parallel_backend.plugins.arviz.loglik import pointwise_log_likelihood
+    >>> from parallel_backend.plugins.numpyro import pointwise_log_likelihood
     >>> def model(y):
     ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
     ...     pb.factor("y", lambda y, mu: dist.Normal(mu, 1.0).log_prob(y), y, mu)

@@ -1,7 +1,8 @@
 """The ``parallel-backend`` command: ``demo`` (the main job) and ``profile``.
 
 The command line is the only place that changes global JAX settings (``--float64``).
-Imports numpy and argparse; the NumPyro plugin's modules when a command runs.
+Imports argparse at module level; jax, numpy, the facade and :mod:`.demo` when a
+command runs.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def profile_command(script=None, n_rows: int = 200_000):
     import jax
     import numpy as np
 
-    from .profile import profile
+    from parallel_backend import profile
 
     if script is None:
         from .demo import make_negbin_data, negbin_parallel

@@ -1,0 +1,154 @@
+"""The one place that knows which ArviZ is installed.
+
+ArviZ 1.x (Python >= 3.12) keeps a run in an ``xarray.DataTree`` with one child per
+group; ArviZ 0.2x in an ``arviz.InferenceData``. Everything else in this plugin works
+on plain parts, ``({group: xarray.Dataset}, attrs)``, and turns them into the
+installed major's container only at the end (:func:`build`), so both majors take the
+same path but for :func:`from_numpyro`, :func:`dataset` and :func:`build`/:func:`parts`.
+
+:func:`from_numpyro` hands ArviZ a finished run through ArviZ's public interface for
+each major: a ``NumPyroInferenceAdapter`` subclass on 1.x; on 0.x, whose
+``from_numpyro`` takes only an ``MCMC``, an object with the attributes it reads from
+one (:class:`_MCMCView`). Imports arviz, xarray, numpy and jax.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import arviz as az
+import jax
+import numpy as np
+import xarray as xr
+
+__all__ = ["ARVIZ_MAJOR", "DATATREE", "from_numpyro", "dataset", "build", "parts",
+           "group_names", "ORDER"]
+
+ARVIZ_MAJOR = int(az.__version__.split(".")[0])
+#: Whether runs are ``xarray.DataTree`` (ArviZ 1.x) rather than ``arviz.InferenceData``.
+DATATREE = ARVIZ_MAJOR >= 1
+#: Groups in the order ``arviz.from_numpyro`` makes them; others follow in their own order.
+ORDER = ("posterior", "sample_stats", "log_likelihood", "posterior_predictive", "predictions",
+         "prior", "prior_predictive", "observed_data", "constant_data",
+         "predictions_constant_data")
+
+
+def _numpyro():
+    import numpyro
+
+    return numpyro
+
+
+def from_numpyro(record, **kwargs):
+    """``arviz.from_numpyro`` of a :class:`~parallel_backend.plugins.numpyro.RunRecord`
+    (without the log-likelihood, which this plugin computes on the executor)."""
+    if DATATREE:
+        _bind_numpyro_submodules()
+        return az.from_numpyro(_adapter(record), log_likelihood=False, **kwargs)
+    return az.from_numpyro(_MCMCView(record), log_likelihood=False, **kwargs)
+
+
+def dataset(data: dict, coords=None, dims=None) -> xr.Dataset:
+    """``arviz.dict_to_dataset`` of ``data`` (leading dims chain, draw) with NumPyro as
+    the inference library, as the installed ArviZ names it."""
+    key = "inference_library" if DATATREE else "library"
+    return az.dict_to_dataset(data, coords=coords, dims=dims, **{key: _numpyro()})
+
+
+def build(groups: dict, attrs: dict):
+    """The installed ArviZ's container of ``groups`` (``{name: xarray.Dataset}``) with
+    ``attrs`` at its root, groups in :data:`ORDER`."""
+    names = sorted(groups, key=lambda g: (ORDER.index(g) if g in ORDER else len(ORDER)))
+    if DATATREE:
+        tree = xr.DataTree.from_dict({"/": xr.Dataset(attrs=dict(attrs)),
+                                      **{g: groups[g] for g in names}})
+        return tree
+    idata = az.InferenceData(**{g: groups[g] for g in names})
+    idata.attrs.update(attrs)
+    return idata
+
+
+def parts(run) -> tuple[dict, dict]:
+    """``({group: xarray.Dataset}, attrs)`` of a run in either container (copies of the
+    attribute dicts; the datasets are the run's)."""
+    if isinstance(run, xr.DataTree):
+        groups = {name: node.to_dataset() for name, node in run.children.items()}
+        return groups, dict(run.attrs)
+    return {g: getattr(run, g) for g in run.groups()}, dict(run.attrs)
+
+
+def group_names(run) -> list[str]:
+    """The groups of a run in either container."""
+    return list(parts(run)[0])
+
+
+# -- handing a run to ArviZ -------------------------------------------------------------
+
+
+def _bind_numpyro_submodules() -> None:
+    """Make every imported ``numpyro.x.y`` an attribute of ``numpyro.x`` again.
+
+    ArviZ 1.x loads numpyro lazily (``lazy_loader.load("numpyro")``). Where ArviZ is
+    imported before NumPyro, the first ``import numpyro.infer`` then runs
+    ``numpyro/infer/__init__.py`` twice, and the package object that stays in
+    ``sys.modules`` lacks its submodules as attributes; ArviZ's own ``from_numpyro``
+    then fails on ``numpyro.infer.initialization`` (arviz-base 1.3.1, lazy_loader 0.4,
+    numpyro 0.22). The modules themselves are the same objects either way."""
+    for name, module in list(sys.modules.items()):
+        parent, _, child = name.rpartition(".")
+        if module is None or not (parent == "numpyro" or parent.startswith("numpyro.")):
+            continue
+        package = sys.modules.get(parent)
+        if package is not None and not hasattr(package, child):
+            setattr(package, child, module)
+
+
+
+def _adapter(record):
+    """ArviZ 1.x's public way to convert draws a custom driver made."""
+
+    class RunAdapter(az.NumPyroInferenceAdapter):
+        def __init__(self, rec):
+            super().__init__(None, rec.model, rec.model_args, rec.model_kwargs,
+                             (rec.num_chains, rec.num_draws))
+            # ArviZ 1.x reads this from an adapter to mark reached_max_tree_depth, as its
+            # own MCMC adapter sets it.
+            self._max_tree_depth = rec.max_tree_depth
+            self.record = rec
+
+        @property
+        def sample_dims(self):
+            return ["chain", "draw"]
+
+        def get_samples(self, seed=None, **kwargs):
+            return self.record.samples
+
+        def get_sample_stats(self, **kwargs):
+            return dict(self.record.stats)
+
+    return RunAdapter(record)
+
+
+class _MCMCView:
+    """What ArviZ 0.x's ``from_numpyro`` reads from a ``numpyro.infer.MCMC`` (its only
+    input type): the model, the arguments, counts and the draws."""
+
+    thinning = 1
+
+    def __init__(self, record):
+        self.sampler = types.SimpleNamespace(model=record.model)
+        self.num_chains, self.num_samples = record.num_chains, record.num_draws
+        self._args, self._kwargs = record.model_args, record.model_kwargs
+        self.record = record
+
+    def _get(self, tree, group_by_chain):
+        if group_by_chain:
+            return tree
+        return jax.tree.map(lambda x: np.reshape(x, (-1,) + np.shape(x)[2:]), tree)
+
+    def get_samples(self, group_by_chain=False):
+        return self._get(self.record.samples, group_by_chain)
+
+    def get_extra_fields(self, group_by_chain=False):
+        return self._get(dict(self.record.stats), group_by_chain)
