@@ -31,6 +31,8 @@ __all__ = [
     "DaskExecutor",
     "DeviceExecutor",
     "factor",
+    "observe",
+    "log_likelihood",
     "sample",
     "to_arviz",
     "profile",
@@ -42,6 +44,8 @@ __all__ = [
 # Public names that live in plugins: name -> (module, attribute, extra to install).
 _LAZY = {
     "factor": ("parallel_backend.plugins.numpyro", "factor", None),
+    "observe": ("parallel_backend.plugins.numpyro", "observe", None),
+    "log_likelihood": ("parallel_backend.plugins.numpyro", "log_likelihood", None),
     "sample": ("parallel_backend.plugins.arviz", "sample", "arviz"),
     "profile": ("parallel_backend.plugins.numpyro", "profile", None),
     "to_arviz": ("parallel_backend.plugins.arviz", "to_arviz", "arviz"),

@@ -1,163 +1,186 @@
-"""Where a call site runs: inside the caller's XLA program, or on the executor's workers.
+"""Where a call site runs: inside the caller's XLA program (``"graph"``) or as chunks on
+the executor's workers through a host callback (``"host"``).
 
-This module owns the decision an executor makes once per call site
-(:func:`decide`) and the measurement behind ``dispatch="auto"``
-(:func:`calibrate`). The decision only chooses *where* blocks are evaluated, never
-*how*: both places compute every block with the same form, so whatever is
-measured, the results are the same bits. Imports jax, numpy and the core.
+Both compute every block with the same compiled body, so the choice changes the speed,
+never a bit, and it may change at any moment. This module owns the two ways it is made:
+
+* :func:`default_route`: a rule of the executor and the site's shapes, with no timing
+  and no compiling: what a ``reduce_sum`` traced outside ``pb.sample`` uses, and what
+  ``pb.sample`` starts from. Threads pay where XLA leaves cores idle: a likelihood
+  evaluated block by block (``"looped"``, the form of a ``scan``; XLA keeps such a
+  loop on one core) with at least two tiles per worker; everything else stays in the
+  graph.
+* ``Slots`` and :func:`choose`: ``pb.sample`` carries each site's choice into its
+  compiled sampling loop as a runtime input (a slot per site: the program holds both
+  paths behind a ``lax.cond``), times real segments of the sampler on each path, and
+  keeps the host only where it is faster by more than the noise (:func:`choose`);
+  ``choose`` is a pure function of the measured seconds, tested with injected timings.
+
+Imports jax and numpy.
 """
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
+import contextlib
+import math
+import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .spec import combine
+__all__ = ["GRAPH", "HOST", "default_route", "can_use_host", "Slots", "SlotSite", "carried",
+           "current_slot",
+           "choose", "Choice", "MARGIN", "in_a_loop", "LOOP"]
 
-__all__ = ["decide", "calibrate", "in_a_loop", "GRAPH_ALWAYS_SECONDS", "HOST_MARGIN", "LOOP"]
-
-#: Below this time per evaluation in the graph, a callback and task dispatch cannot pay.
-GRAPH_ALWAYS_SECONDS = 1.5e-3
-#: Measured cost of one host callback, added to the host path's time.
-CALLBACK_SECONDS = 1e-4
-#: The host path must beat the faster of the graph and plain NumPyro by this factor,
-#: in the median and in the fastest round, to be chosen.
-HOST_MARGIN = 0.85
-#: Evaluations per timed call of the in-graph options (the graph and plain's form):
-#: they run in one compiled loop, as inside a sampler, where XLA allocates their
-#: temporaries once for the whole loop instead of once per call. Isolated calls
-#: overstated plain's cost (HMM, 3,000 sequences: 48.5 ms per isolated gradient,
-#: 35.8 ms in a loop), and so made the host path look better than it is in NUTS.
+#: Slot values: where a site runs.
+GRAPH, HOST = 0, 1
+#: The host path must be faster than the graph by this fraction (in the median and in
+#: most rounds) to be chosen; the same margin the other way to leave a default host.
+MARGIN = 0.05
+#: Evaluations per timed call of :func:`in_a_loop` (benchmarks and ``pb.profile``).
 LOOP = 4
-#: Timed rounds (each option once per round, in turn); fewer for slow evaluations.
-ROUNDS = 7
-SLOW_ROUNDS = 3
-SLOW_SECONDS = 0.1
 
 
-def decide(executor, state, grainsize, data_leaves, shared_leaves):
-    """``("graph" or "host", timing)`` for ``state``'s call site on ``executor``.
+def can_use_host(executor, state) -> bool:
+    """Whether the host path can pay at all: several workers and several tiles (and
+    whatever else the executor says, :meth:`Executor.can_use_host`)."""
+    return executor.can_use_host(state)
 
-    With ``dispatch="auto"``: small work, one worker or one tile stays in the graph;
-    otherwise every option is timed (see :func:`calibrate`) and the host path is
-    chosen only when it clearly beats both the graph and plain NumPyro's own form.
-    ``timing`` is what was measured (``None`` when nothing was).
-    """
+
+def default_route(executor, state) -> str:
+    """``"graph"`` or ``"host"`` for ``state``'s site on ``executor`` without measuring:
+    the executor's fixed ``dispatch``, else (``"auto"``) the host where the site is
+    evaluated block by block (XLA keeps such a body on one core) with at least two
+    tiles per worker, else the graph (where XLA threads the batched evaluation as it
+    threads plain NumPyro)."""
     if executor.dispatch != "auto":
-        return executor.dispatch, None
-    if executor.workers < 2 or state.spec.tiles.n_tiles < 2:
-        return "graph", None
-    # Measure on a thread of its own: this runs while the caller's jit is tracing,
-    # and on this thread every jax operation would be staged into that trace.
-    with ThreadPoolExecutor(1, thread_name_prefix="parallel_backend_calibrate") as pool:
-        timing = pool.submit(calibrate, executor, state, grainsize, data_leaves,
-                             shared_leaves).result()
-    return choose(timing), timing
+        return executor.dispatch
+    if (can_use_host(executor, state) and state.spec.form == "looped"
+            and state.spec.tiles.n_tiles >= 2 * executor.workers):
+        return "host"
+    return "graph"
 
 
-def choose(timing: dict) -> str:
-    """The decision from measured seconds (``{"graph": [...], "host": [...], "plain": [...]}``)."""
-    med = {k: float(np.median(v)) for k, v in timing.items() if v}
-    best = {k: float(np.min(v)) for k, v in timing.items() if v}
-    if "host" not in med or med["graph"] < GRAPH_ALWAYS_SECONDS:
-        return "graph"
-    ref_med = min(med["graph"], med.get("plain", np.inf))
-    ref_best = min(best["graph"], best.get("plain", np.inf))
-    host_wins = (med["host"] + CALLBACK_SECONDS < HOST_MARGIN * ref_med
-                 and best["host"] + CALLBACK_SECONDS < HOST_MARGIN * ref_best)
-    return "host" if host_wins else "graph"
+# -- choices carried into a compiled program ------------------------------------------
 
 
-def calibrate(executor, state, grainsize, data_leaves, shared_leaves) -> dict:
-    """Seconds of one value-and-gradient evaluation on each option, per timed round.
+class SlotSite(NamedTuple):
+    """A site traced in a program that carries :class:`Slots`: its executor and state,
+    and its slot (``None`` where its route is fixed: a fixed ``dispatch``, a host
+    path that cannot pay, or no slot left)."""
 
-    ``graph`` is the block evaluation inside a jitted program, ``host`` the chunks
-    on the executor's workers, ``plain`` ``fn(data, *shared).sum()`` as plain
-    NumPyro differentiates it (timed only where the host path beats the graph).
-    Parameters are the values at hand (ones where they are traced). Every option is
-    warmed up first (compiled; the chunker settled), then the options are timed in
-    interleaved rounds, so a noisy neighbour slows them alike. Stops early (after the
-    first round) when the graph alone is below :data:`GRAPH_ALWAYS_SECONDS`.
+    executor: object
+    state: object
+    slot: int | None
+
+
+class Slots:
+    """The runtime choices of one compiled program: ``values`` (an int32 array, traced
+    when the program is traced) holds one slot per switchable site, :data:`GRAPH` or
+    :data:`HOST`.
+
+    Every site traced in the program is recorded in :attr:`sites`, in the order first
+    traced (a site traced again keeps its entry), for the caller to read after
+    tracing; switchable ones take slots in that order, up to ``len(values)``.
     """
-    from .host import evaluate
 
-    spec = state.spec
-    program = state.program
-    prepared = state.prepared()
+    def __init__(self, values):
+        self.values = values
+        self.capacity = int(np.shape(values)[0])
+        self.sites: list = []
+        self._index: dict = {}
 
-    def probe(x):
-        if isinstance(x, jax.core.Tracer):
-            return np.ones(x.shape, x.dtype)
-        return np.asarray(x)
-
-    leaves = [probe(x) for x in data_leaves]
-    traced = tuple(x for x, t in zip(leaves, spec.traced) if t)
-    shared = tuple(probe(x) for x in shared_leaves)
-    dt = tuple(np.issubdtype(x.dtype, np.inexact) for x in traced)
-    ds = tuple(np.issubdtype(x.dtype, np.inexact) for x in shared)
-
-    with jax.enable_x64(spec.x64):
-        graph = in_a_loop(lambda t, s: combine(*program.graph_partials(prepared, t, s, dt, ds)))
-
-        def unsplit(t, s):
-            it = iter(t)
-            full = [next(it) if is_t else x for x, is_t in zip(leaves, spec.traced)]
-            data = jax.tree_util.tree_unflatten(spec.data_treedef, full)
-            args = jax.tree_util.tree_unflatten(spec.shared_treedef, list(s))
-            return spec.fn(data, *args).sum()
-
-        plain = in_a_loop(jax.value_and_grad(unsplit, argnums=(0, 1)))
-
-    ndims = tuple(np.ndim(x) for x in (*traced, *shared))
-
-    def run(option):
-        with jax.enable_x64(spec.x64):
-            if option == "host":
-                evaluate(executor, state, grainsize, traced, shared, dt, ds, ndims, count=False)
-            elif option == "graph":
-                jax.block_until_ready(graph(traced, shared))
-            else:
-                jax.block_until_ready(plain(traced, shared))
-
-    warm = {"graph": 2, "plain": 2,
-            "host": 2 + (0 if grainsize is not None else state.chunker.settle_after)}
-    # Plain's form matters only where the host path may beat the graph (else the graph
-    # is kept whatever plain does), and compiling it costs the most (XLA folds the data
-    # into it: negbin, 200,000 rows, 1.7 s of a 4.4 s calibration), so it is timed, in
-    # fresh rounds of all three, only where the host path was faster at all (and the
-    # graph not so fast that :func:`choose` keeps it anyway).
-    times = _rounds(run, ["graph", "host"], warm)
-    med_graph, med_host = np.median(times["graph"]), np.median(times["host"])
-    if GRAPH_ALWAYS_SECONDS <= med_graph and med_host < med_graph:
-        times = _rounds(run, ["graph", "plain", "host"], warm)
-    return times
+    def take(self, executor, state):
+        """The traced choice of ``state``'s site on ``executor``, or ``None`` where its
+        route is fixed (it then runs where :meth:`Executor.route` says)."""
+        key = (id(executor), id(state))
+        i = self._index.get(key)
+        if i is None:
+            used = sum(s.slot is not None for s in self.sites)
+            switchable = (executor.dispatch == "auto" and can_use_host(executor, state)
+                          and used < self.capacity)
+            i = self._index[key] = len(self.sites)
+            self.sites.append(SlotSite(executor, state, used if switchable else None))
+        slot = self.sites[i].slot
+        return None if slot is None else self.values[slot]
 
 
-def _rounds(run, options, warm) -> dict:
-    """Warm up (compile) each option not yet warm, then time them in interleaved rounds."""
-    for option in options:
-        for _ in range(warm.pop(option, 0)):
-            run(option)
-    times = {k: [] for k in options}
-    rounds = ROUNDS
-    r = 0
-    while r < rounds:
-        for option in options:
-            t0 = time.perf_counter()
-            run(option)
-            elapsed = time.perf_counter() - t0
-            times[option].append(elapsed if option == "host" else elapsed / LOOP)
-        if r == 0:
-            if times["graph"][0] < GRAPH_ALWAYS_SECONDS / 2:
-                break
-            if times["graph"][0] > SLOW_SECONDS:
-                rounds = SLOW_ROUNDS
-        r += 1
-    return times
+_carried = threading.local()
+
+
+@contextlib.contextmanager
+def carried(slots: Slots):
+    """A block in which ``reduce_sum`` calls traced take their choice from ``slots``."""
+    previous = getattr(_carried, "slots", None)
+    _carried.slots = slots
+    try:
+        yield slots
+    finally:
+        _carried.slots = previous
+
+
+def current_slot(executor, state):
+    """The traced choice for ``state``'s site in the innermost :func:`carried` block
+    (``None`` outside one, or where the site's route is fixed)."""
+    slots = getattr(_carried, "slots", None)
+    return None if slots is None else slots.take(executor, state)
+
+
+# -- the decision from measured segments ------------------------------------------------
+
+
+class Choice(NamedTuple):
+    """What :func:`choose` decided and why.
+
+    Attributes
+    ----------
+    route : {"graph", "host"}
+    ratio : float
+        Median seconds per gradient on the host over those in the graph (< 1: the host
+        is faster); ``nan`` without measurements.
+    reason : str
+        One line: what the measurements said.
+    """
+
+    route: str
+    ratio: float
+    reason: str
+
+
+def choose(graph, host, default: str, margin: float = MARGIN) -> Choice:
+    """The route from paired measurements: ``graph[i]`` and ``host[i]`` are seconds per
+    gradient of round ``i`` (each measured on a real segment of the sampler).
+
+    The host is chosen where its median is below ``1 - margin`` of the graph's and it
+    was faster in at least three quarters of the rounds; the graph where the host's
+    median is above ``1 + margin`` and it was slower as often; otherwise the measurements do not
+    tell the two apart beyond the noise, and ``default`` (:func:`default_route`) stays.
+    So the same model on the same machine gets the same route run after run, unless
+    the timings truly differ.
+
+    Examples
+    --------
+    >>> choose([1.0, 1.0, 1.1], [0.7, 0.8, 0.75], "graph").route
+    'host'
+    >>> choose([1.0, 1.0, 1.0], [0.98, 1.03, 0.99], "host").route
+    'host'
+    >>> choose([1.0, 1.0, 1.0], [1.2, 1.3, 1.1], "host").route
+    'graph'
+    """
+    g, h = np.asarray(graph, float), np.asarray(host, float)
+    if g.size == 0 or g.size != h.size or not (np.all(g > 0) and np.all(h > 0)):
+        return Choice(default, float("nan"), "not measured: the default rule")
+    ratio = float(np.median(h) / np.median(g))
+    need = math.ceil(0.75 * g.size)
+    faster, slower = int(np.sum(h < g)), int(np.sum(h > g))
+    text = f"host/graph {ratio:.3f} per gradient, host faster in {faster} of {g.size} rounds"
+    if ratio < 1 - margin and faster >= need:
+        return Choice("host", ratio, text)
+    if ratio > 1 + margin and slower >= need:
+        return Choice("graph", ratio, text)
+    return Choice(default, ratio, text + f": within the noise, the default ({default}) stays")
 
 
 def in_a_loop(f, loops: int = LOOP):

@@ -31,9 +31,11 @@ what keeps results bitwise the same on every executor.
 
 from .blocks import BlockPlan, TilePlan, cpu_count, row_bytes, xla_threads
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
+from .dispatch import GRAPH, HOST, Choice, Slots, carried, choose
 from .errors import ChunkError, check_count
 from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
+from .internals import is_tracer
 from .host import ChunkResult, Evaluation, run_chunk
 from .site import Resident, SiteState, run_eagerly
 from .spec import Program, SiteSpec, host_device, pad_blocks
@@ -43,5 +45,6 @@ __all__ = [
     "Chunk", "ChunkError", "BlockPlan", "TilePlan", "AdaptiveChunker",
     "run_chunk", "even_slots", "split_tiles", "chunks_within", "site_stats", "resolve_executor",
     "host_device", "run_eagerly", "pad_blocks", "cpu_count", "xla_threads", "row_bytes",
-    "check_count",
+    "check_count", "GRAPH", "HOST", "Slots", "carried", "choose", "Choice",
+    "is_tracer",
 ]

@@ -19,14 +19,13 @@ The two evaluation forms:
 
 from __future__ import annotations
 
-import jax
-import jax.extend.core
+from .internals import LAPACK, SCAN, jaxprs_in_params
 
 __all__ = ["FORMS", "detect_form", "blocks_pool"]
 
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` run best one block at a time (see the module docstring).
-LOOPS = frozenset({"scan"})
+LOOPS = frozenset({SCAN})
 #: Primitives that XLA:CPU runs as jaxlib LAPACK kernels which, on a batch of
 #: matrices, hand parts of it to XLA's intra-op thread pool and *block* the pool
 #: thread they run on until those parts are done. As many such programs at once as
@@ -34,11 +33,7 @@ LOOPS = frozenset({"scan"})
 #: programs with a batched ``solve_triangular`` on a 2-thread pool), so the host path
 #: runs fewer of them at a time (see :mod:`.host`). Foreign functions (``ffi_call``)
 #: may do the same and count too.
-POOL_BLOCKING = frozenset({
-    "cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3", "householder_product", "eigh",
-    "eig", "svd", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve", "ffi_call",
-    "custom_call",
-})
+POOL_BLOCKING = LAPACK | {"ffi_call", "custom_call"}
 
 
 def _uses(jaxpr, names) -> bool:
@@ -46,7 +41,7 @@ def _uses(jaxpr, names) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in names:
             return True
-        if any(_uses(sub, names) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
+        if any(_uses(sub, names) for sub in jaxprs_in_params(eqn.params)):
             return True
     return False
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
-from jax.extend.core import Literal
+from .internals import CALLS, Literal, bind_params, equation_context, jaxprs_in_params
+from .internals import HOST_CODE as _HOST_CODE
 
 __all__ = ["Split", "split_known", "evaluate_equations", "known_function", "unknown_function"]
 
@@ -38,8 +38,7 @@ CHEAP = frozenset({
 })
 #: Primitives never hoisted: host code (a callback may fail, print or depend on state,
 #: and must run where and when the user's evaluation runs).
-HOST_CODE = frozenset({"pure_callback", "io_callback", "callback", "debug_callback",
-                       "custom_call", "ffi_call"})
+HOST_CODE = _HOST_CODE
 #: Residuals may take at most this many times the bytes of the block's resident data.
 MAX_RESIDUAL_RATIO = 2.0
 
@@ -82,7 +81,7 @@ def _is_cheap(eqn) -> bool:
     name = eqn.primitive.name
     if name in CHEAP:
         return True
-    if name in ("pjit", "jit", "closed_call", "custom_jvp_call"):
+    if name in CALLS:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         inner = getattr(inner, "jaxpr", inner)
         return inner is not None and all(_is_cheap(e) for e in inner.eqns)
@@ -92,7 +91,7 @@ def _is_cheap(eqn) -> bool:
 def _runs_host_code(eqn) -> bool:
     if eqn.primitive.name in HOST_CODE:
         return True
-    return any(_runs_host_code(e) for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+    return any(_runs_host_code(e) for sub in jaxprs_in_params(eqn.params)
                for e in sub.eqns)
 
 
@@ -194,8 +193,8 @@ def evaluate_equations(closed, indices, env: dict) -> dict:
     for i in indices:
         eqn = eqns[i]
         invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
+        params = bind_params(eqn)
+        with equation_context(eqn):
             out = eqn.primitive.bind(*invals, **params)
         outs = out if eqn.primitive.multiple_results else (out,)
         for v, x in zip(eqn.outvars, outs):

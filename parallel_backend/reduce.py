@@ -14,14 +14,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import host
-from .blocks import TilePlan, balance_blocks, plan_blocks, plan_tiles, row_bytes
+from .internals import is_tracer
+from .blocks import TilePlan, balance_blocks, looped_blocks, plan_blocks, plan_tiles, row_bytes
+from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
-from .site import SiteState
 from .forms import detect_form
+from .identity import site_key
+from .site import SiteState
 from .spec import SiteSpec, combine
 
 __all__ = ["reduce_sum"]
@@ -108,27 +112,29 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     traced_mask = tuple(_is_traced(x) for x in leaves)
     x64 = bool(jax.config.jax_enable_x64)
     resident = [x for x, t in zip(leaves, traced_mask) if not t]
-    key = (_fn_key(fn), data_treedef, shared_treedef, plan, x64,
-           tuple((id(x), x.shape, str(x.dtype)) for x in resident),
-           tuple((jnp.shape(x), str(jnp.result_type(x))) for x in leaves),
-           tuple((jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves))
+    key = site_key(fn, data_treedef, shared_treedef, plan, x64, resident,
+                   [(jnp.shape(x), str(jnp.result_type(x)), t) for x, t in zip(leaves, traced_mask)],
+                   [(jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves])
 
     def make():
         spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
                          value_dtype, x64, balance=block_rows is None)
         return SiteState(spec, resident, executor.workers)
 
-    state = executor.site_state(key, make, resident)
-    executor.route(state, grainsize, leaves, shared_leaves)
+    state = executor.site_state(key, make)
+    default = executor.route(state)
+    choice = current_slot(executor, state)
     traced = tuple(x for x in leaves if _is_traced(x))
-    return _reduce(state, executor, grainsize)(traced, tuple(shared_leaves))
+    route = default if choice is None else None
+    return _reduce(state, executor, grainsize, route)(traced, tuple(shared_leaves), choice)
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
               label=None, balance=True) -> SiteSpec:
     """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
-    a trace of ``fn`` on one block), the tile plan, and, for the batched form with the
-    default block size, blocks evened out so that the last block needs little padding."""
+    a trace of ``fn`` on one block), the tile plan, and, with the default block size,
+    the form's own blocks: for the batched form evened out so that the last block needs
+    little padding, for the looped form :func:`~.blocks.looped_blocks`."""
     traced = tuple(_is_traced(x) for x in leaves)
     row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
     shared_avals = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in shared_leaves)
@@ -142,8 +148,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         form = detect_form(jax.make_jaxpr(block)(resident, traced_s, shared_s))
         if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
             form = "looped"
-    if form == "batched" and balance:
-        plan = balance_blocks(plan)
+    if balance:
+        plan = balance_blocks(plan) if form == "batched" else looped_blocks(plan.n_rows)
     return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 
 
@@ -165,55 +171,72 @@ def _batchable(block, resident, traced, shared) -> bool:
 # -- the custom VJP ----------------------------------------------------------------
 
 
-def _reduce(state, executor, grainsize):
-    """The differentiable function of (traced data leaves, shared leaves)."""
-    on_host = state.decision == "host"
+def _reduce(state, executor, grainsize, route):
+    """The differentiable function of (traced data leaves, shared leaves, choice),
+    evaluated on ``route`` (``"graph"`` or ``"host"``; ``choice`` is ``None``), or, with
+    ``route=None``, where the int32 ``choice`` says when the program runs
+    (:data:`~parallel_backend.dispatch.HOST` or ``GRAPH``; both are compiled in)."""
+    counter = executor.graph_counter(state) if executor.count_calls else None
 
-    def partials(traced, shared, diff_traced, diff_shared):
-        if on_host:
-            return _host_partials(state, executor, grainsize, traced, shared, diff_traced,
-                                  diff_shared)
-        return executor.graph_partials(state, traced, shared, diff_traced, diff_shared)
+    def graph(traced, shared, dt, ds):
+        out = executor.graph_partials(state, traced, shared, dt, ds)
+        if counter is None:
+            return out
+        # A zero that counts the evaluation; adding it to every output keeps the counter
+        # alive (not dead code) wherever the value or a gradient is used.
+        values, gs, gd = out
+        zero = counter.zero(values.sum(axis=-1))
+        add = functools.partial(_add_zero, zero)
+        return add(values), tuple(map(add, gs)), tuple(map(add, gd))
 
-    counting = not on_host and executor.count_calls
+    def host(traced, shared, dt, ds):
+        return _host_partials(state, executor, grainsize, traced, shared, dt, ds)
 
-    def counter(v, inputs):
-        # A zero that counts the evaluation; adding it keeps the counter alive (not dead
-        # code) wherever the value or the gradient is used.
-        return executor.graph_counter(state).zero(v, inputs) if counting else None
+    def partials(traced, shared, choice, dt, ds):
+        if route == "host":
+            return host(traced, shared, dt, ds)
+        if route == "graph":
+            return graph(traced, shared, dt, ds)
+        return lax.cond(choice == HOST, lambda: host(traced, shared, dt, ds),
+                        lambda: graph(traced, shared, dt, ds))
+
+    def run(traced, shared, choice, dt, ds):
+        # A barrier on the way out, on every route: without it XLA fused the caller's use
+        # of the value and gradients (a sampler's leapfrog arithmetic) into the in-graph
+        # evaluation's program but not into a host callback's, and rounded it differently
+        # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations).
+        return lax.optimization_barrier(combine(*partials(traced, shared, choice, dt, ds)))
 
     @jax.custom_vjp
-    def value(traced, shared):
+    def value(traced, shared, choice):
         no = (False,) * len(traced), (False,) * len(shared)
-        v = combine(*partials(traced, shared, *no))[0]
-        zero = counter(v, (*traced, *shared))
-        return v if zero is None else v + zero
+        return run(traced, shared, choice, *no)[0]
 
-    def fwd(traced, shared):
+    def fwd(traced, shared, choice):
         tv = tuple(p.value for p in traced)
         sv = tuple(p.value for p in shared)
         dt = tuple(bool(p.perturbed) and _is_float(p.value) for p in traced)
         ds = tuple(bool(p.perturbed) and _is_float(p.value) for p in shared)
-        v, gs, gd = combine(*partials(tv, sv, dt, ds))
-        zero = counter(v, (*tv, *sv))
-        if zero is not None:
-            v = v + zero
-        return v, (_spread(gd, dt), _spread(gs, ds), zero)
+        v, gs, gd = run(tv, sv, None if choice is None else choice.value, dt, ds)
+        return v, (_spread(gd, dt), _spread(gs, ds))
 
     def bwd(res, ct):
-        gd, gs, zero = res
+        gd, gs = res
         if isinstance(ct, SymbolicZero):
-            return tuple(None for _ in gd), tuple(None for _ in gs)
-        if zero is not None:
-            ct = ct + zero
+            return tuple(None for _ in gd), tuple(None for _ in gs), None
 
         def scale(g):
             return None if g is None else (ct * g).astype(g.dtype)
 
-        return tuple(scale(g) for g in gd), tuple(scale(g) for g in gs)
+        return tuple(scale(g) for g in gd), tuple(scale(g) for g in gs), None
 
     value.defvjp(fwd, bwd, symbolic_zeros=True)
     return value
+
+
+def _add_zero(zero, x):
+    """``x`` plus ``zero`` (a counter's), broadcast over ``x``'s per-evaluation axes."""
+    return x + zero.reshape(zero.shape + (1,) * (x.ndim - zero.ndim)).astype(x.dtype)
 
 
 def _spread(grads, mask):
@@ -246,7 +269,7 @@ def _host_callback(executor, state, grainsize, diff_traced, diff_shared, orig_nd
 
 
 def _is_traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
+    return is_tracer(x)
 
 
 def _is_float(x) -> bool:
@@ -275,18 +298,6 @@ def _leading_size(paths, leaves) -> int:
         raise ValueError("reduce_sum: data leaves must share the leading size N (the rows to split), "
                          f"got {listing}")
     return int(next(iter(sizes)))
-
-
-def _fn_key(fn):
-    """A key under which traces of the same model find the same site."""
-    if isinstance(fn, functools.partial):
-        return ("partial", _fn_key(fn.func), tuple(map(id, fn.args)),
-                tuple((k, id(v)) for k, v in fn.keywords.items()))
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return fn
-    cells = tuple(id(c.cell_contents) for c in (fn.__closure__ or ()) if _cell_ok(c))
-    return code, cells, id(getattr(fn, "__self__", None))
 
 
 def _cell_ok(cell) -> bool:

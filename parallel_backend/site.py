@@ -2,16 +2,18 @@
 
 A :class:`~parallel_backend.spec.SiteSpec` is immutable and shared; the state is
 per executor: the data prepared for this site (once), the devices' copies of it,
-where evaluations run (``"graph"`` or ``"host"``, decided once), the adaptive
-chunker and the timings that decided. Executors hold their states in a
-:class:`SiteCache`, which forgets a state once the data it was made from is
-garbage collected, so a dropped dataset is freed. Imports jax, numpy and the core.
+where evaluations run by default (``"graph"`` or ``"host"``, a rule of the shapes)
+and where ``pb.sample`` measured them faster, the adaptive chunker. Executors hold
+their states in a :class:`SiteCache`, keyed by what a site is
+(:func:`~parallel_backend.identity.site_key`: its function and the content of its
+data, never an ``id()``), so every trace of a model finds its sites again; the cache
+holds copies of the data, never the user's arrays, and is bounded (least recently
+used out first). Imports jax, numpy and the core.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 
 import jax
@@ -19,8 +21,12 @@ import jax
 from .chunking import AdaptiveChunker, Chunk
 from .spec import Program, SiteSpec, host_device
 
-__all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly"]
+__all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly", "MAX_SITES", "MAX_SITE_BYTES"]
 
+#: An executor keeps at most this many sites, and prepared data of at most this many
+#: bytes (the most recent site always stays), least recently used out first.
+MAX_SITES = 64
+MAX_SITE_BYTES = 4 * 2 ** 30
 #: Chunk views (device arrays of a run of blocks) kept per holder, least recently used
 #: out first, and at most this many times the bytes of the data held.
 MAX_VIEWS = 64
@@ -28,22 +34,11 @@ MAX_VIEW_COPIES = 2
 
 
 def run_eagerly(fn, *args):
-    """``fn(*args)`` on a thread of its own: called while the caller's function is
-    traced, where every jax operation on this thread would be staged into that trace."""
-    out = {}
-
-    def target():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=target, name="parallel_backend_eager")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    """``fn(*args)`` on concrete values, also while a caller's function is traced
+    (``jax.ensure_compile_time_eval``): preparing a site's data is data work done once,
+    never a part of the traced program."""
+    with jax.ensure_compile_time_eval():
+        return fn(*args)
 
 
 class Resident:
@@ -120,38 +115,43 @@ class SiteState:
     ----------
     spec : SiteSpec
     decision : {"graph", "host"} or None
-        Where this executor evaluates the site; decided once, when first traced.
+        Where this executor evaluates the site where nothing was measured (its
+        ``dispatch``, or the rule of :func:`~parallel_backend.dispatch.default_route`);
+        set when the site is first traced.
+    measured : Choice or None
+        What ``pb.sample`` measured on this site, and where it then ran it.
     chunker : AdaptiveChunker
         Chunk sizes for ``grainsize=None`` on the host path.
-    timing : dict or None
-        What the decision measured (seconds per evaluation of each option).
     """
 
     def __init__(self, spec: SiteSpec, resident_leaves, workers: int):
         self.spec = spec
         self.decision = None
-        self.timing = None
+        self.measured = None
         self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
         self._resident_leaves = tuple(resident_leaves)
         self._lock = threading.Lock()
-        self._decide_lock = threading.Lock()
         self._program = None
         self._prepared = None
         self._host = None
+        #: Gradient evaluations in the graph that pb.sample counted: (calls, batches).
+        self.sampled = [0, 0]
 
     @property
     def label(self) -> str:
         return self.spec.label
 
-    def deciding(self):
-        """Held while the executor decides where the site runs (concurrent traces wait)."""
-        return self._decide_lock
-
-    def settle(self, decision: str, timing=None) -> None:
-        """Record where the site runs (once) and what the decision measured."""
+    def settle(self, decision: str) -> None:
+        """Record where the site runs by default."""
         if decision not in ("graph", "host"):
             raise ValueError(f"decision must be 'graph' or 'host', got {decision!r}")
-        self.decision, self.timing = decision, timing
+        self.decision = decision
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data this state holds (prepared, or still to prepare)."""
+        held = self._prepared if self._prepared is not None else self._resident_leaves
+        return int(sum(getattr(x, "nbytes", 0) for x in held))
 
     @property
     def program(self) -> Program:
@@ -200,25 +200,29 @@ class SiteState:
 
     def __repr__(self) -> str:
         p = self.spec.plan
+        measured = f", measured={self.measured.route}" if self.measured else ""
         return (f"SiteState({self.spec.label}, rows={p.n_rows}, block_rows={p.block_rows}, "
-                f"blocks={p.n_blocks}, form={self.spec.form}, decision={self.decision})")
+                f"blocks={p.n_blocks}, form={self.spec.form}, decision={self.decision}"
+                f"{measured})")
 
 
 class SiteCache:
-    """An executor's site states, keyed by call site and data identity.
+    """An executor's site states, keyed by what a call site is.
 
-    A state is dropped when any resident data leaf it was made from is garbage
-    collected (leaves that cannot be weakly referenced are kept alive with it), and
-    at most ``max_sites`` are kept, least recently used first out.
+    At most ``max_sites`` states and ``max_bytes`` of their data are kept (the most
+    recently used state always stays), least recently used first out; a state that
+    leaves is released (its device copies freed) and handed to ``on_forget``.
     """
 
-    def __init__(self, max_sites: int = 256, on_forget=None):
+    def __init__(self, max_sites: int = MAX_SITES, max_bytes: int = MAX_SITE_BYTES,
+                 on_forget=None):
         self.max_sites = max_sites
+        self.max_bytes = max_bytes
         self._on_forget = on_forget
         self._states: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key, make, leaves=()):
+    def get(self, key, make):
         with self._lock:
             state = self._states.get(key)
             if state is not None:
@@ -229,16 +233,12 @@ class SiteCache:
             state = self._states.setdefault(key, state)
             self._states.move_to_end(key)
             evicted = []
-            while len(self._states) > self.max_sites:
+            while len(self._states) > 1 and (
+                    len(self._states) > self.max_sites
+                    or sum(s.nbytes for s in self._states.values()) > self.max_bytes):
                 evicted.append(self._states.popitem(last=False)[1])
         for old in evicted:
             self._drop(old)
-        ref = weakref.ref(self)
-        for leaf in leaves:
-            try:
-                weakref.finalize(leaf, _forget, ref, key)
-            except TypeError:  # not weakly referenceable: lives as long as the state
-                pass
         return state
 
     def values(self) -> list:
@@ -253,21 +253,8 @@ class SiteCache:
         if self._on_forget is not None:
             self._on_forget(state)
 
-    def forget(self, key) -> None:
-        with self._lock:
-            state = self._states.pop(key, None)
-        if state is not None:
-            self._drop(state)
-
     def clear(self) -> None:
         with self._lock:
             states, self._states = list(self._states.values()), OrderedDict()
         for state in states:
-            state.release()
-
-
-def _forget(ref, key) -> None:
-    cache = ref()
-    if cache is not None:
-        cache.forget(key)
-
+            self._drop(state)

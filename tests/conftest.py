@@ -62,13 +62,15 @@ def _no_leaked_global_state():
 #: Every executor configuration the tests use, by id. "host" runs chunks through the
 #: host callback on the executor's workers; the default SerialExecutor keeps the block
 #: loop in the XLA graph (the reference); the default ThreadExecutor measures ("auto").
+#: Graph evaluations are counted (``count_calls=True``: a callback) so that the tests can
+#: check every evaluation is counted once; by default only pb.sample counts them.
 EXECUTORS: dict[str, Callable[[], pb.Executor]] = {
-    "serial": lambda: pb.SerialExecutor(),
+    "serial": lambda: pb.SerialExecutor(count_calls=True),
     "serial-host": lambda: pb.SerialExecutor(dispatch="host"),
     "thread1-host": lambda: pb.ThreadExecutor(1, dispatch="host"),
     "thread2-host": lambda: pb.ThreadExecutor(2, dispatch="host"),
     "thread4-host": lambda: pb.ThreadExecutor(4, dispatch="host"),
-    "thread2": lambda: pb.ThreadExecutor(2),
+    "thread2": lambda: pb.ThreadExecutor(2, count_calls=True),
 }
 
 

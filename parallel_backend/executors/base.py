@@ -29,33 +29,35 @@ DISPATCH_MODES = ("auto", "graph", "host")
 class Executor:
     """Base class of every executor.
 
-    An executor decides, once per call site, whether the blocks are evaluated
-    inside the caller's XLA program (``"graph"``) or as chunks on its workers
-    through a host callback (``"host"``); with ``"auto"`` it measures. Either way
-    every block is computed the same way, so the choice never changes a result.
-    It counts every evaluation in :meth:`stats`.
+    An executor evaluates each call site's blocks inside the caller's XLA program
+    (``"graph"``) or as chunks on its workers through a host callback (``"host"``).
+    Either way every block is computed the same way, so the choice never changes a
+    result. With ``"auto"`` a rule of the site's shapes picks where nothing was
+    measured, and ``pb.sample`` measures both on real segments of the sampler and
+    keeps the faster (see :mod:`parallel_backend.dispatch`). It counts evaluations
+    in :meth:`stats`.
 
     Parameters
     ----------
     dispatch : {"auto", "graph", "host"}
-        Where the blocks are evaluated. ``"auto"`` keeps small or already fast work
-        in the graph and uses the workers only where they measured clearly faster.
+        Where the blocks are evaluated.
     count_calls : bool
-        Count evaluations that run in the graph for :meth:`stats` (a counter compiled
-        into the program, about 10-15 us per evaluation on CPU). Host-path
-        evaluations are always counted.
+        Also count evaluations that run in the graph outside ``pb.sample`` (a
+        callback compiled into the program, tens of microseconds per evaluation).
+        Host-path evaluations are always counted, and ``pb.sample`` counts the
+        graph's from the sampler's leapfrog steps.
     """
 
     name: ClassVar[str] = "base"
 
-    def __init__(self, *, dispatch: str = "auto", count_calls: bool = True):
+    def __init__(self, *, dispatch: str = "auto", count_calls: bool = False):
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {list(DISPATCH_MODES)}, got {dispatch!r}")
         self.dispatch = dispatch
         self.count_calls = bool(count_calls)
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
-        self._counters: dict = {}  # id(state) -> GraphCounter
+        self._counters: dict = {}  # id(state) -> (state, GraphCounter)
         self._closed = False
         self._created = time.time()
         self._counts = dict(calls=0, graph_calls=0, host_calls=0, chunks=0, rows=0,
@@ -104,27 +106,32 @@ class Executor:
 
     # -- call sites --------------------------------------------------------------------
 
-    def site_state(self, key, make, leaves=()) -> SiteState:
-        """The :class:`SiteState` for ``key``, made by ``make()`` on first use; forgotten
-        when any of ``leaves`` (the resident data) is garbage collected."""
+    def site_state(self, key, make) -> SiteState:
+        """The :class:`SiteState` for ``key`` (what the site is: see
+        :func:`parallel_backend.identity.site_key`), made by ``make()`` on first use."""
         self.check_open()
-        return self._states.get(key, make, leaves)
+        return self._states.get(key, make)
 
     def sites(self) -> list:
         """The call sites this executor holds, as :class:`SiteState` records."""
         return self._states.values()
 
-    def decide(self, state: SiteState, grainsize, data_leaves, shared_leaves):
-        """Where ``state``'s site should run, ``("graph" or "host", timing)``; see
-        :mod:`parallel_backend.dispatch`. Subclasses may override it."""
-        return _dispatch.decide(self, state, grainsize, data_leaves, shared_leaves)
+    def decide(self, state: SiteState) -> str:
+        """Where ``state``'s site runs where nothing was measured: ``"graph"`` or
+        ``"host"`` (:func:`parallel_backend.dispatch.default_route`). Subclasses may
+        override it; it must not time or compile anything (it runs while tracing)."""
+        return _dispatch.default_route(self, state)
 
-    def route(self, state: SiteState, grainsize, data_leaves, shared_leaves) -> str:
-        """Where ``state``'s site runs: decided (by :meth:`decide`) the first time, then
-        kept. Called by ``reduce_sum`` while tracing."""
-        with state.deciding():
-            if state.decision is None:
-                state.settle(*self.decide(state, grainsize, data_leaves, shared_leaves))
+    def can_use_host(self, state: SiteState) -> bool:
+        """Whether the host path can pay at all for ``state``'s site: several workers and
+        several tiles. Subclasses may say no in more cases."""
+        return self.workers >= 2 and state.spec.tiles.n_tiles >= 2
+
+    def route(self, state: SiteState) -> str:
+        """Where ``state``'s site runs by default: decided (by :meth:`decide`) the first
+        time, then kept. Called by ``reduce_sum`` while tracing."""
+        if state.decision is None:
+            state.settle(self.decide(state))
         return state.decision
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -138,10 +145,17 @@ class Executor:
     def graph_counter(self, state: SiteState) -> GraphCounter:
         """The counter compiled into ``state``'s graph evaluations (made on first use)."""
         with self._lock:
-            counter = self._counters.get(id(state))
-            if counter is None:
-                counter = self._counters[id(state)] = GraphCounter()
-            return counter
+            entry = self._counters.get(id(state))
+            if entry is None or entry[0] is not state:
+                entry = self._counters[id(state)] = (state, GraphCounter())
+            return entry[1]
+
+    def count_sampled(self, state: SiteState, calls: int, batches: int) -> None:
+        """Add ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
+        that ``pb.sample`` counted from the sampler's figures."""
+        with self._lock:
+            state.sampled[0] += int(calls)
+            state.sampled[1] += int(batches)
 
     def graph_counts(self, state: SiteState, calls: int, batches: int) -> dict:
         """What ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
@@ -149,20 +163,29 @@ class Executor:
         return dict(graph_calls=calls, calls=calls, chunks=calls,
                     rows=state.spec.plan.n_rows * batches)
 
+    def _graph_calls(self, state: SiteState) -> tuple[int, int]:
+        with self._lock:
+            entry = self._counters.get(id(state))
+            calls, batches = state.sampled
+        if entry is not None and entry[0] is state:
+            c, b = entry[1].counts()
+            calls, batches = calls + c, batches + b
+        return calls, batches
+
     def _retire(self, state: SiteState) -> None:
         """A forgotten state's graph counts stay in the totals."""
+        calls, batches = self._graph_calls(state)
         with self._lock:
-            counter = self._counters.pop(id(state), None)
-        if counter is not None:
-            self.count(**self.graph_counts(state, *counter.retire()))
+            self._counters.pop(id(state), None)
+        if calls:
+            self.count(**self.graph_counts(state, calls, batches))
 
     def _graph_totals(self) -> dict:
         out: dict = {}
         for state in self.sites():
-            with self._lock:
-                counter = self._counters.get(id(state))
-            if counter is not None:
-                for k, v in self.graph_counts(state, *counter.counts()).items():
+            calls, batches = self._graph_calls(state)
+            if calls:
+                for k, v in self.graph_counts(state, calls, batches).items():
                     out[k] = out.get(k, 0) + v
         return out
 
@@ -177,9 +200,11 @@ class Executor:
             ``host_calls`` (where they ran), ``chunks`` (tasks run), ``rows``
             (rows evaluated, times the batch size), ``seconds_in_workers``,
             ``bytes_sent`` (parameter bytes handed to tasks), ``workers``,
-            ``counting`` (``"all"``, or ``"host only"`` when made with
-            ``count_calls=False``: evaluations inside the graph are then not in
-            ``calls``), and per call site its block, tile and chunk sizes.
+            ``counting`` (``"all"`` when made with ``count_calls=True``; else
+            ``"host, and the graph inside pb.sample"``: evaluations that ran inside
+            the caller's program outside ``pb.sample`` are then not in ``calls``), and
+            per call site its block, tile and chunk sizes, where it ran and what
+            ``pb.sample`` measured.
         """
         with self._lock:
             out = dict(self._counts)
@@ -187,7 +212,7 @@ class Executor:
             out[k] = out.get(k, 0) + v
         out["executor"] = self.name
         out["workers"] = self.workers
-        out["counting"] = "all" if self.count_calls else "host only"
+        out["counting"] = "all" if self.count_calls else "host, and the graph inside pb.sample"
         out["sites"] = [site_stats(s) for s in self.sites()]
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
         return out
@@ -208,9 +233,7 @@ class Executor:
             self.release()
             self._states.clear()
             with self._lock:
-                counters, self._counters = self._counters, {}
-            for counter in counters.values():
-                counter.retire()
+                self._counters = {}
 
     def __enter__(self):
         return self
@@ -227,15 +250,17 @@ def site_stats(state: SiteState) -> dict:
     """One call site's entry in :meth:`Executor.stats`."""
     spec = state.spec
     p = spec.plan
-    host = state.decision == "host"
+    route = state.measured.route if state.measured is not None else state.decision
+    host = route == "host"
     if host:
         rows = [min(state.chunker.blocks_per_chunk * p.block_rows, p.n_rows)]
     else:
         rows = [p.n_rows]
     out = dict(label=spec.label, rows=p.n_rows, block_rows=p.block_rows, blocks=p.n_blocks,
                tile_blocks=spec.tiles.tile_blocks, tiles=spec.tiles.n_tiles, form=spec.form,
-               dispatch=state.decision, chunk_rows=rows,
+               dispatch=route, default=state.decision, chunk_rows=rows,
                settled=state.chunker.settled if host else None)
-    if state.timing:
-        out["timing"] = {k: float(np.median(v)) for k, v in state.timing.items() if v}
+    if state.measured is not None:
+        out["measured"] = {"route": state.measured.route, "host_over_graph": state.measured.ratio,
+                           "reason": state.measured.reason}
     return out

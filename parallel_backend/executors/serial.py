@@ -32,5 +32,5 @@ class SerialExecutor(Executor):
 
     name = "serial"
 
-    def __init__(self, *, dispatch: str = "graph", count_calls: bool = True):
+    def __init__(self, *, dispatch: str = "graph", count_calls: bool = False):
         super().__init__(dispatch=dispatch, count_calls=count_calls)

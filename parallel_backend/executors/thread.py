@@ -24,9 +24,11 @@ class ThreadExecutor(Executor):
     workers : int, optional
         Threads in the pool; ``None`` means every core this process may use.
     dispatch : {"auto", "host", "graph"}
-        ``"auto"`` (default) measures, once per call site, the block loop inside
-        the graph against the threaded chunks, and keeps the faster (small work
-        always stays in the graph). ``"host"`` always uses the threads.
+        ``"auto"`` (default): the threads where XLA leaves cores idle (a likelihood
+        evaluated block by block, with at least two tiles per thread), the graph
+        elsewhere; inside ``pb.sample`` both are timed on real segments of the
+        sampler and the faster is kept. ``"host"`` always uses the threads,
+        ``"graph"`` never.
     count_calls : bool
         See :class:`~parallel_backend.executors.base.Executor`.
 
@@ -44,7 +46,7 @@ class ThreadExecutor(Executor):
     name = "thread"
 
     def __init__(self, workers: int | None = None, *, dispatch: str = "auto",
-                 count_calls: bool = True):
+                 count_calls: bool = False):
         if workers is None:
             workers = cpu_count()
         workers = check_count(workers, "workers", "ThreadExecutor", what="threads")

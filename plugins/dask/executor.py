@@ -20,15 +20,16 @@ import threading
 import uuid
 
 import cloudpickle
+import jax
 import numpy as np
 from distributed import Client
 from distributed.comm.core import CommClosedError
-from distributed.core import send_recv
 
 from parallel_backend.extend import ChunkError, Executor, chunks_within
 
 from . import cluster
 from . import worker as remote
+from .internals import connection_pool, request
 from .placement import RemoteSite, assign
 from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
 
@@ -84,7 +85,7 @@ class DaskExecutor(Executor):
 
     def __init__(self, client=None, address=None, *, timeout: float = 10.0,
                  n_workers: int | None = None, threads_per_worker: int = 1,
-                 dispatch: str = "auto", count_calls: bool = True):
+                 dispatch: str = "auto", count_calls: bool = False):
         if client is not None and address is not None:
             raise ValueError("DaskExecutor: give client= or address=, not both")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -243,11 +244,11 @@ class DaskExecutor(Executor):
             raise _WorkerGone(reply.detail)
 
     async def _send(self, addr, function: bytes, args: bytes):
-        pool = self._client.rpc
+        pool = connection_pool(self._client)
         comm = await pool.connect(addr, timeout=self.timeout)
         ok = False
         try:
-            reply = await send_recv(comm, op="run", function=function, args=args, wait=True)
+            reply = await request(comm, op="run", function=function, args=args, wait=True)
             ok = True
         finally:
             if ok:
@@ -265,7 +266,9 @@ class DaskExecutor(Executor):
 
     def map(self, func, items) -> list:
         self.check_open()
-        futures = self._client.map(func, list(items), pure=False)
+        # Run with the caller's precision: a worker's JAX defaults to float32.
+        task = remote.WithPrecision(func, bool(jax.config.jax_enable_x64))
+        futures = self._client.map(task, list(items), pure=False)
         return self._client.gather(futures)
 
     # -- reporting and shutdown ----------------------------------------------------

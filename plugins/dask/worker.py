@@ -23,6 +23,7 @@ import numpy as np
 from distributed import WorkerPlugin
 
 from .cluster import XLA_FLAGS
+from .internals import worker_plugin
 from .protocol import ERROR, GONE, MISSING, OK, Reply
 
 __all__ = ["WorkerState", "evaluate", "install"]
@@ -111,9 +112,30 @@ class WorkerState(WorkerPlugin):
         return run_chunk(program, self.shards[(data_token, shard)], chunk, evaluation)
 
 
+class WithPrecision:
+    """``func(item)`` on a worker with the caller's ``jax_enable_x64`` (one-off work such
+    as the pointwise log-likelihood; a site's chunks carry it in their spec)."""
+
+    def __init__(self, func, x64: bool):
+        # Pickled here and unpickled under the caller's precision: a jax array in
+        # ``func`` unpickled with x64 off would already be float32.
+        self.payload, self.x64 = cloudpickle.dumps(func), bool(x64)
+        self._func = None
+
+    def __getstate__(self):
+        return {"payload": self.payload, "x64": self.x64, "_func": None}
+
+    def __call__(self, item):
+        import jax
+
+        with jax.enable_x64(self.x64):
+            if self._func is None:
+                self._func = cloudpickle.loads(self.payload)
+            return self._func(item)
+
+
 def _state(dask_worker, name):
-    plugins = getattr(dask_worker, "plugins", {})
-    return plugins.get(name)
+    return worker_plugin(dask_worker, name)
 
 
 def _gone(dask_worker, name) -> Reply:

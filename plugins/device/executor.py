@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import ThreadExecutor
-from parallel_backend.extend import (Executor, Resident, chunks_within, even_slots, pad_blocks,
+from parallel_backend.extend import (Executor, is_tracer, Resident, chunks_within, even_slots, pad_blocks,
                                      run_chunk, run_eagerly)
 
 from .layout import DeviceLayout, device_layout, spread_blocks
@@ -106,7 +106,7 @@ class DeviceExecutor(Executor):
 
     name = "device"
 
-    def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = True):
+    def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = False):
         devices = _check_devices(devices)
         super().__init__(dispatch=dispatch, count_calls=count_calls)
         self._devices = devices
@@ -134,14 +134,15 @@ class DeviceExecutor(Executor):
     def workers(self) -> int:
         return len(self._devices)
 
-    def decide(self, state, grainsize, data_leaves, shared_leaves):
+    def decide(self, state):
         """As :meth:`Executor.decide`; ``"graph"`` (in place) inside ``pmap``."""
         if _in_place():
-            return "graph", None
-        choice, timing = super().decide(state, grainsize, data_leaves, shared_leaves)
-        if choice == "graph":
-            self._release_shares(state)  # measured, then not used: free the devices' copies
-        return choice, timing
+            return "graph"
+        return super().decide(state)
+
+    def can_use_host(self, state) -> bool:
+        """As :meth:`Executor.can_use_host`; never inside ``pmap`` (in place)."""
+        return not _in_place() and super().can_use_host(state)
 
     def _mapped(self, state) -> bool:
         """Whether ``state``'s graph path is the ``shard_map`` over the devices."""
@@ -266,7 +267,7 @@ class DeviceExecutor(Executor):
         g_data = tuple(g[:n].reshape((n * plan.block_rows,) + g.shape[2:])[:plan.n_rows]
                        for g in out.data_grads)
         result = (values, g_shared, g_data)
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(result)):
+        if not any(is_tracer(x) for x in jax.tree.leaves(result)):
             # Called eagerly (no jit): hand back uncommitted arrays on the default
             # device, as any eager jax operation makes, so they mix with the caller's.
             result = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), result)
@@ -277,10 +278,6 @@ class DeviceExecutor(Executor):
     def graph_counts(self, state, calls: int, batches: int) -> dict:
         """Graph evaluations: a block run per busy device each (one in place)."""
         info = self._params.get(id(state)) or _Params(0, 0, 1)
-        if self._mapped(state):
-            # The caller's program spans every device of the mesh, and the counter in it
-            # runs on each: one evaluation is counted once per device.
-            calls, batches = calls // len(self._devices), batches // len(self._devices)
         out = super().graph_counts(state, calls, batches)
         out["chunks"] = calls * info.devices
         if info.devices > 1:

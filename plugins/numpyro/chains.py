@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .driver import Run, Segments, init_states, to_device, to_host
+from .tuning import Tuner, timed_run
 
 __all__ = ["Chains"]
 
@@ -77,20 +78,25 @@ class Chains:
         self.done = np.asarray(done, np.int64).copy()
         self._fresh = {}
 
-    def run(self, every=None, on_segment=None) -> None:
+    def run(self, every=None, on_segment=None, tuner=None) -> None:
         """Run every lane to the end; with ``every``, in segments that end at multiples
         of ``every`` iterations (and at each lane's end), calling ``on_segment()`` after
-        each with the host copies up to date."""
+        each with the host copies up to date. A ``tuner``
+        (:class:`~.tuning.Tuner`) cuts more segments to time the sites' routes and
+        picks the route of each segment (which changes no draw)."""
+        if tuner is None:
+            tuner = Tuner(self.segments, None, enabled=False)
         for index, chains in enumerate(self.lanes.chains(self.num_chains)):
             lo = int(self.done[chains[0]])
             if lo >= self.total:
                 continue
             state, buffers = self._lane(index, chains)
-            for hi in _bounds(lo, self.total, every):
-                state, buffers = self.segments.run(state, buffers, lo, hi)
-                lo = hi
+            for stop in _bounds(lo, self.total, every):
+                while lo < stop:
+                    state, buffers, lo = timed_run(tuner, self.segments, state, buffers, lo,
+                                                   stop)
                 if every is not None:
-                    self._put(chains, state, buffers, hi)
+                    self._put(chains, state, buffers, stop)
                     on_segment()
             if every is None:
                 self._put(chains, state, buffers, self.total)

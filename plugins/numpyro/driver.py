@@ -31,10 +31,16 @@ import numpy as np
 from jax import lax
 from numpyro.util import is_prng_key
 
+from parallel_backend.extend import GRAPH, HOST, Slots, carried
+
 from .progress import figures
 
 __all__ = ["Lanes", "lanes_for", "collected_fields", "init_states", "Segments", "Run",
-           "to_host", "to_device", "is_key"]
+           "to_host", "to_device", "is_key", "SLOTS"]
+
+#: Sites of a model whose route a run can switch at runtime (more are run where their
+#: executor puts them).
+SLOTS = 8
 
 
 class Lanes(NamedTuple):
@@ -117,13 +123,17 @@ def init_states(kernel, key, lanes: Lanes, num_chains: int, num_warmup: int, ini
 
 
 class Segments:
-    """The compiled loop: ``run(state, buffers, lo, hi)`` makes transitions ``lo .. hi-1``.
+    """The compiled loop: ``run(state, buffers, lo, hi, choices)`` makes transitions
+    ``lo .. hi-1``.
 
     Transition ``i`` (0-based; ``i >= num_warmup`` are draws) calls ``kernel.sample``,
     hands the new state's figures to ``tick`` on the host, and writes the collected
     fields of draw ``i - num_warmup`` into ``buffers`` (each of shape
     ``(chains, num_samples, ...)`` for a batched or mapped lane, ``(num_samples, ...)``
-    for one chain). One program serves every segment of every lane of a run.
+    for one chain). ``choices`` (int32, :data:`SLOTS` of them) say where each
+    ``reduce_sum`` site of the model runs (``pb.extend.Slots``: both routes are compiled
+    in, and give the same bits); :attr:`slots` lists the sites once traced. One program
+    serves every segment of every lane of a run, whatever the choices.
     """
 
     def __init__(self, kernel, lanes: Lanes, fields: tuple, num_warmup: int, num_samples: int,
@@ -132,15 +142,17 @@ class Segments:
         self.num_warmup, self.num_samples = num_warmup, num_samples
         self.args, self.kwargs = model_args, model_kwargs
         self.tick = tick
+        #: The sites the traced loop holds (a ``Slots``), once it was traced.
+        self.slots = None
         batched = lanes.kind == "batched"
         one = self._segment(batched)
         if lanes.kind == "mapped":
             mapped = lanes.transform(one)
 
-            def run(state, buffers, lo, hi):
+            def run(state, buffers, lo, hi, choices):
                 n = jax.tree.leaves(state)[0].shape[0]
                 return mapped(state, buffers, jnp.full(n, lo, jnp.int32),
-                              jnp.full(n, hi, jnp.int32))
+                              jnp.full(n, hi, jnp.int32), jnp.broadcast_to(choices, (n, SLOTS)))
 
             self._run = run if lanes.transform is jax.pmap else jax.jit(run)
         else:
@@ -171,14 +183,30 @@ class Segments:
                                lambda b: b, buffers)
             return state, buffers
 
-        def segment(state, buffers, lo, hi):
-            return lax.fori_loop(lo, hi, body, (state, buffers))
+        def segment(state, buffers, lo, hi, choices):
+            slots = Slots(choices)
+            with carried(slots):
+                out = lax.fori_loop(lo, hi, body, (state, buffers))
+            self.slots = slots
+            return out
 
         return segment
 
-    def run(self, state, buffers, lo: int, hi: int):
-        """Transitions ``lo .. hi-1`` from ``state``; returns the new state and buffers."""
-        return self._run(state, buffers, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
+    def run(self, state, buffers, lo: int, hi: int, choices=None):
+        """Transitions ``lo .. hi-1`` from ``state`` with the sites' ``choices`` (default:
+        every site where its executor puts it); returns the new state and buffers."""
+        if choices is None:
+            choices = self.default_choices()
+        return self._run(state, buffers, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32),
+                         jnp.asarray(choices, jnp.int32))
+
+    def default_choices(self) -> np.ndarray:
+        """Each slot's default route (before the loop is traced: all in the graph)."""
+        out = np.full(SLOTS, GRAPH, np.int32)
+        for site in self.slots.sites if self.slots is not None else ():
+            if site.slot is not None and site.executor.route(site.state) == "host":
+                out[site.slot] = HOST
+        return out
 
 
 def to_host(tree):

@@ -2,7 +2,7 @@
 
 NumPyro keeps some facts that a run needs afterwards only as private attributes, with
 no public accessor. Each use is a small function here with the reason it has no public
-replacement; ``tests/unit/test_numpyro_internals.py`` fails, naming the NumPyro version,
+replacement; ``tests/unit/test_internals.py`` fails, naming the NumPyro version,
 when a release changes one of them (tested on numpyro 0.22.0, with jax 0.10.2 on Python
 3.11 and jax 0.12.0.1 on Python 3.12). ``docs/layout.rst`` lists them. Imports nothing
 but the standard library.

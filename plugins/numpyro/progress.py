@@ -2,9 +2,10 @@
 
 The sampling loop (:mod:`.driver`) hands each transition's figures (:func:`figures`)
 to the host (``jax.debug.callback``; under vectorized chains once per batch).
-:class:`Progress` turns them into a tqdm bar that shows, beside NumPyro's usual
-figures, gradient evaluations per second (from the executor's ``stats()["calls"]``,
-one per evaluation) and the executor's worker count, and, for a run continued from a
+:class:`Progress` counts gradient evaluations from them (each transition's leapfrog
+steps; a batch of chains evaluates together, as many times as its longest trajectory
+needs) and turns them into a tqdm bar that shows, beside NumPyro's usual figures,
+gradient evaluations per second and the executor's worker count, and, for a run continued from a
 checkpoint, where it was resumed. The callback is always compiled in, shown or not, so
 ``progress_bar`` never changes the compiled program and hence never the draws.
 Imports jax, numpy, tqdm.
@@ -85,9 +86,11 @@ class Progress:
         self._lock = threading.Lock()
         self._bar = None
         self._t0 = self._last_t = time.perf_counter()
-        self._calls0 = self._calls()
+        #: Gradient evaluations so far, and the parameter sets they carried (a batch of
+        #: ``k`` chains evaluates ``k`` at once).
+        self.gradients = 0
+        self.batches = 0
         self._rate = 0.0
-        self._next_rate = 0.0
 
     def __enter__(self):
         if self.enabled:
@@ -118,12 +121,6 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-    def _calls(self) -> int:
-        try:
-            return int(self.executor.stats()["calls"])
-        except Exception:  # a closed or foreign executor: no rate, not an error
-            return 0
-
     def label(self, phase: str) -> str:
         """The bar's description: the phase, and where a resumed run was resumed."""
         if self.resumed is None:
@@ -153,13 +150,13 @@ class Progress:
             self._set_phase(phase)
             self.count += max(int(diverging.size), 1)
             self.divergences += int(np.sum(diverging))
-            self._last = (int(np.max(num_steps)), float(np.mean(step_size)),
-                          float(np.mean(accept_prob)))
+            steps = int(np.max(num_steps)) if np.size(num_steps) else 0
+            self.gradients += steps
+            self.batches += steps * max(int(np.size(num_steps)), 1)
+            self._last = (steps, float(np.mean(step_size)), float(np.mean(accept_prob)))
             if self._bar is None:
                 return
-            if now >= self._next_rate:  # stats() takes the executor's lock: not every tick
-                self._rate = (self._calls() - self._calls0) / max(now - self._t0, 1e-9)
-                self._next_rate = now + 0.2
+            self._rate = self.gradients / max(now - self._t0, 1e-9)
             self._bar.set_postfix_str(self.postfix(), refresh=False)
             self._bar.update(max(int(diverging.size), 1))
 

@@ -87,7 +87,7 @@ def run(n_devices: int, modes=("auto", "host", "graph"),
     for mode in modes:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # several devices: no warning expected
-            dev = pb.DeviceExecutor(dispatch=mode)
+            dev = pb.DeviceExecutor(dispatch=mode, count_calls=True)
         out = res[mode] = {}
         for name, p in chosen.items():
             if name not in MODE_PROBLEMS[mode]:
@@ -112,7 +112,7 @@ def run(n_devices: int, modes=("auto", "host", "graph"),
         out["closed_repr"] = repr(dev)
 
         # Stats of one value-and-gradient evaluation, counted exactly.
-        with pb.DeviceExecutor(dispatch=mode) as ex:
+        with pb.DeviceExecutor(dispatch=mode, count_calls=True) as ex:
             p = problems()["random_effects"]
             f = jax.jit(jax.value_and_grad(p.split(ex, block_rows=BLOCK_ROWS), argnums=(0, 1)))
             for _ in range(3):
@@ -152,7 +152,7 @@ def nuts(pb, jax, jnp, np, n_devices, mode, which):
             "parallel": (n_devices, "parallel")}
     for label in which:
         chains, method = runs[label]
-        with pb.DeviceExecutor(dispatch=mode) as dev:
+        with pb.DeviceExecutor(dispatch=mode, count_calls=True) as dev:
             got = draws(dev, chains, method)
             st = dev.stats()
         if label not in _SERIAL_DRAWS:  # the same for every mode: drawn once

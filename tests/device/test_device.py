@@ -182,7 +182,7 @@ def test_graph_mode_bitwise_everywhere_with_xla_cse_off():
 
 def test_one_device_warns_naming_the_fix_and_still_works(x64):
     with pytest.warns(UserWarning, match="xla_force_host_platform_device_count"):
-        ex = pb.DeviceExecutor(devices=jax.devices()[:1])
+        ex = pb.DeviceExecutor(devices=jax.devices()[:1], count_calls=True)
     x = jnp.linspace(-1.0, 1.0, 300)
 
     def f(m):

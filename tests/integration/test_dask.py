@@ -127,13 +127,13 @@ def test_bytes_per_call_are_parameters_not_data(dask_host, make_problem, x64):
     param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(prob.params))
     assert per_call <= 10 * param_bytes * s1["workers"] + 4096, per_call
     assert s1["data_bytes_sent"] == s0["data_bytes_sent"]
-    # The same data in new arrays (a re-built model: a new call site) is found on the
-    # workers by its content, and not sent again.
+    # The same data in new arrays (a re-built model) is the same call site, found by its
+    # content: nothing is prepared or sent again.
     copy = prob._replace(data=jax.tree.map(lambda x: jnp.array(x, copy=True), prob.data))
     g = jax.jit(jax.value_and_grad(copy.split(dask_host, block_rows=1000), argnums=1))
     jax.block_until_ready(g(*prob.args))
     s2 = dask_host.stats()
-    assert len(s2["sites"]) == 2
+    assert len(s2["sites"]) == 1
     assert s2["data_bytes_sent"] == s0["data_bytes_sent"]
 
 
@@ -204,6 +204,44 @@ def test_map_and_registry_name(client):
         assert s["scheduler"] == client.scheduler.address and s["workers"] == 2
     assert "closed" in repr(ex)
     assert client.status == "running"  # the user's client stays open
+
+
+def test_dask_internals(client):
+    """The private parts of distributed the executor relies on (``docs/layout.rst``): the
+    client's connection pool, ``send_recv`` with ``op="run"``, and ``Worker.plugins``;
+    a failure names the release that changed them."""
+    import asyncio
+
+    from distributed import WorkerPlugin
+
+    from parallel_backend.plugins.dask import internals
+
+    where = f"distributed {distributed.__version__}"
+
+    class Marker(WorkerPlugin):
+        name = "pb-test-marker"
+
+    client.register_plugin(Marker(), name=Marker.name)
+    found = client.run(lambda dask_worker: type(internals.worker_plugin(
+        dask_worker, "pb-test-marker")).__name__)
+    assert set(found.values()) == {"Marker"}, (found, where)
+    assert set(client.run(lambda dask_worker: internals.worker_plugin(dask_worker, "absent")
+                          is None).values()) == {True}, where
+
+    addr = sorted(client.scheduler_info()["workers"])[0]
+
+    async def ask():
+        pool = internals.connection_pool(client)
+        comm = await pool.connect(addr, timeout=10)
+        try:
+            return await internals.request(comm, op="run", function=cloudpickle.dumps(
+                lambda: 6 * 7), args=cloudpickle.dumps(()), wait=True)
+        finally:
+            pool.reuse(addr, comm)
+
+    reply = client.sync(ask)
+    assert isinstance(reply, dict) and reply.get("status") == "OK", (reply, where)
+    assert reply["result"] == 42, (reply, where)
 
 
 # -- cluster life cycle ------------------------------------------------------------------

@@ -1,12 +1,14 @@
-"""No hidden growth: an executor forgets a dataset once the user drops it.
+"""No hidden growth: an executor never keeps the user's arrays alive, and its sites are
+bounded.
 
 A model is fitted with real NUTS (and its gradient jitted) on the process-wide default
 executor and on a thread pool; then the model, the run and the data are dropped. The
-data's arrays must be garbage collected and every executor's site cache emptied of
-them. A cache that held data strongly (as one keyed by data identity and never evicted
-would) fails both assertions, and so did prepared blocks that were numpy views of the
-user's JAX arrays (they kept the array, and so the site, alive). NumPyro's and JAX's
-own bounded caches, which hold the last sampling loops' arguments, are cleared first.
+data's arrays must be garbage collected: a site holds a prepared copy of its data
+(keyed by content, so that every trace of a model finds it again), never the user's
+arrays; prepared blocks that were numpy views of the user's JAX arrays would keep them
+alive. The executor's sites are bounded in number and bytes (least recently used out
+first). NumPyro's and JAX's own bounded caches, which hold the last sampling loops'
+arguments, are cleared first.
 """
 
 import functools
@@ -88,4 +90,16 @@ def test_dropped_data_is_freed_on_a_thread_pool():
         collect()
         alive = [r for r in refs if r() is not None]
         assert not alive, f"{len(alive)} of {len(refs)} data leaves still alive after the drop"
-        assert len(ex.sites()) < held, "the executor kept the sites of dropped data"
+
+
+def test_sites_are_bounded_in_number_and_bytes():
+    from parallel_backend.site import SiteCache
+
+    with pb.SerialExecutor() as ex:
+        ex._states = SiteCache(max_sites=3, max_bytes=10 * N * 4, on_forget=ex._retire)
+        for seed in range(6):  # six datasets, one site each
+            data = regression_data(N, seed=seed)
+            jax.jit(lambda a, d=data: pb.reduce_sum(regression_loglik, d, a, 1.0, 1.0,
+                                                    executor=ex))(0.3)
+        assert len(ex.sites()) == 3
+        assert sum(s.nbytes for s in ex.sites()) <= 10 * N * 4

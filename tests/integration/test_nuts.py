@@ -35,7 +35,7 @@ plain_model = plain_regression_model
 
 
 EXECUTORS = {
-    "serial": lambda: pb.SerialExecutor(),
+    "serial": lambda: pb.SerialExecutor(count_calls=True),
     "thread2-host": lambda: pb.ThreadExecutor(2, dispatch="host"),
 }
 

@@ -101,7 +101,7 @@ def test_tiny_model_recommends_plain_numpyro():
 
 @pytest.mark.parametrize("executor", [None, "serial"])
 def test_short_nuts_run_times_gradients_inside_the_sampler(executor):
-    ex = pb.SerialExecutor() if executor else None
+    ex = pb.SerialExecutor(count_calls=True) if executor else None
     t = nuts_module.nuts_ms_per_gradient(normal_model, (data(2000),), {}, ex, draws=10)
     assert t.draws == 10 and t.gradients >= 10
     assert 0 < t.ms_per_gradient < 1000

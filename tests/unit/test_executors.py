@@ -70,11 +70,22 @@ def test_stats_count_evaluations_not_traces(executor, x):
     assert executor.stats()["calls"] == 4
 
 
+def test_graph_evaluations_are_counted_only_when_asked(x):
+    """By default an evaluation inside the caller's program outside pb.sample has no
+    callback to count it (the compiled-in counter is opt-in): stats() says so."""
+    with pb.SerialExecutor() as quiet, pb.SerialExecutor(count_calls=True) as counting:
+        for ex in (quiet, counting):
+            jax.block_until_ready(jitted_value_and_grad(x, executor=ex)(0.5))
+        assert quiet.stats()["calls"] == 0 and counting.stats()["calls"] == 1
+        assert quiet.stats()["counting"] == "host, and the graph inside pb.sample"
+        assert counting.stats()["counting"] == "all"
+
+
 def test_graph_counter_counts_batches_and_distinct_evaluations(x):
-    """The in-graph counter runs on the evaluation's inputs: a batch of parameter sets
-    counts all of them, also with one argument unbatched, and two evaluations in one
-    program that differ only in a later parameter element count twice."""
-    executor = pb.SerialExecutor()
+    """The opt-in graph counter: a batch of parameter sets counts all of them, also with
+    one argument unbatched, and two evaluations in one program that differ only in a
+    later parameter element count twice."""
+    executor = pb.SerialExecutor(count_calls=True)
 
     def scaled(x, mu, sigma):
         return -0.5 * ((x - mu) / sigma) ** 2
@@ -92,7 +103,7 @@ def test_graph_counter_counts_batches_and_distinct_evaluations(x):
     def packed(x, p):
         return -0.5 * ((x - p[0]) / p[1]) ** 2
 
-    other = pb.SerialExecutor()
+    other = pb.SerialExecutor(count_calls=True)
     both = jax.jit(lambda: pb.reduce_sum(packed, x, jnp.array([0.0, 1.0]), executor=other)
                    + pb.reduce_sum(packed, x, jnp.array([0.0, 2.0]), executor=other))
     jax.block_until_ready(both())

@@ -1,0 +1,35 @@
+"""Every use of dask.distributed's private parts, in one place.
+
+An evaluation sends one message straight to each worker instead of a task through the
+scheduler (whose batched streams add about 10 ms per round trip): that needs the
+client's connection pool and distributed's request/reply call, neither of which is
+public API, and the worker side finds its state among the worker's plugins. Each use
+is a small name here; ``tests/integration/test_dask.py::test_dask_internals`` fails,
+naming the version, when a release changes one of them. Tested on dask and
+distributed 2026.8.0 (Python 3.11, 3.12, 3.13); ``docs/layout.rst`` lists them.
+"""
+
+from __future__ import annotations
+
+from distributed.core import send_recv as _send_recv
+
+__all__ = ["connection_pool", "request", "worker_plugin"]
+
+
+def connection_pool(client):
+    """The client's pool of connections to scheduler and workers (``Client.rpc``, a
+    ``distributed.core.ConnectionPool``: ``connect(addr, timeout)``, ``reuse(addr,
+    comm)``)."""
+    return client.rpc
+
+
+async def request(comm, **message):
+    """Send ``message`` on ``comm`` and wait for the reply
+    (``distributed.core.send_recv``; ``op="run"`` runs a pickled function on a worker,
+    as ``Client.run`` does)."""
+    return await _send_recv(comm, **message)
+
+
+def worker_plugin(dask_worker, name: str):
+    """The worker plugin registered as ``name`` (``Worker.plugins``, a dict), or ``None``."""
+    return getattr(dask_worker, "plugins", {}).get(name)

@@ -1,0 +1,147 @@
+"""The private parts of JAX and NumPyro the package relies on, each checked against the
+installed release: a failure here names what a new release changed (see
+``docs/layout.rst``). dask's are checked in ``tests/integration/test_dask.py``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.infer import MCMC, NUTS
+
+from parallel_backend import internals
+from parallel_backend.forms import POOL_BLOCKING, detect_form
+from parallel_backend.hoist import CHEAP, HOST_CODE
+from parallel_backend.plugins.numpyro import internals as numpyro_internals
+
+VERSION = f"jax {jax.__version__}"
+
+
+def primitives(f, *args) -> set:
+    """Every primitive name in the jaxpr of ``f`` (nested jaxprs included)."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            for sub in internals.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return names
+
+
+def test_literal_is_what_a_constant_operand_is():
+    closed = jax.make_jaxpr(lambda x: x * 2.0 + 1)(1.0)
+    literals = [v for e in closed.jaxpr.eqns for v in e.invars
+                if isinstance(v, internals.Literal)]
+    assert literals and all(hasattr(v, "val") for v in literals), VERSION
+
+
+def test_jaxprs_in_params_finds_nested_bodies():
+    def f(x):
+        return jax.lax.scan(lambda c, y: (c + jnp.sin(y), None), 0.0, x)[0]
+
+    (scan,) = [e for e in jax.make_jaxpr(f)(jnp.ones(3)).jaxpr.eqns
+               if e.primitive.name == internals.SCAN]
+    bodies = list(internals.jaxprs_in_params(scan.params))
+    assert bodies and any(e.primitive.name == "sin" for b in bodies for e in b.eqns), VERSION
+
+
+def test_equations_bind_again_as_traced():
+    """``bind_params`` and ``equation_context`` re-evaluate a jaxpr with a nested call and
+    a scan to the bits ``jax.core.eval_jaxpr`` gives."""
+
+    @jax.jit
+    def inner(x):
+        return jnp.tanh(x) * 3.0
+
+    def f(x):
+        return jax.lax.scan(lambda c, y: (c * 0.5 + inner(y), c), 0.0, x)
+
+    x = jnp.linspace(-1, 1, 5)
+    closed = jax.make_jaxpr(f)(x)
+    env = dict(zip(closed.jaxpr.invars, [x]))
+    env.update(zip(closed.jaxpr.constvars, closed.consts))
+    for eqn in closed.jaxpr.eqns:
+        vals = [v.val if isinstance(v, internals.Literal) else env[v] for v in eqn.invars]
+        with internals.equation_context(eqn):
+            out = eqn.primitive.bind(*vals, **internals.bind_params(eqn))
+        for v, o in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
+            env[v] = o
+    got = [env[v] for v in closed.jaxpr.outvars]
+    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b, err_msg=VERSION)
+
+
+def test_is_tracer_inside_and_outside_transformations():
+    seen = []
+    jax.jit(lambda x: seen.append(internals.is_tracer(x)) or x)(1.0)
+    jax.vmap(lambda x: seen.append(internals.is_tracer(x)) or x)(jnp.ones(2))
+    assert seen == [True, True] and not internals.is_tracer(jnp.ones(2)), VERSION
+
+
+def test_the_primitive_names_held_as_strings_are_jaxs():
+    x = jnp.ones((3, 3)) + jnp.eye(3) * 3
+
+    def uses(f, *args):
+        return primitives(f, *args)
+
+    assert internals.SCAN in uses(lambda v: jax.lax.scan(lambda c, y: (c + y, None), 0.0, v)[0],
+                                  jnp.ones(3)), VERSION
+    assert internals.WHILE in uses(lambda v: jax.lax.while_loop(lambda c: c < 3, lambda c: c + v,
+                                                                0.0), 1.0), VERSION
+    assert "pure_callback" in uses(lambda v: jax.pure_callback(
+        np.sin, jax.ShapeDtypeStruct((), v.dtype), v), 1.0), VERSION
+    assert {"cholesky", "triangular_solve"} <= uses(
+        lambda m: jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(m), m[0]), x), VERSION
+    assert uses(lambda m: jnp.linalg.eigh(m)[0], x) & internals.LAPACK, VERSION
+    assert uses(jax.jit(jnp.sin), 1.0) & internals.CALLS, VERSION
+    assert uses(jax.nn.relu, 1.0) & internals.CALLS, VERSION  # a custom_jvp
+    # The elementwise names the hoisting treats as cheap, as this JAX names them.
+    made = uses(lambda v: jnp.abs(-v) + jnp.maximum(v, 0) * jnp.square(v) - jnp.reshape(v, (1, 3))[0][::-1]
+                + jnp.where(v > 0, v, 0).astype(jnp.float32) + jnp.pad(v, 1)[1:-1] + v ** 2,
+                jnp.ones(3))
+    expected = {"abs", "neg", "max", "mul", "sub", "add", "reshape", "rev", "gt", "select_n",
+                "pad", "slice", "integer_pow", "square"}
+    assert expected - (made & CHEAP) <= {"square"}, (sorted(made), VERSION)
+    assert internals.HOST_CODE == HOST_CODE and internals.LAPACK <= POOL_BLOCKING
+
+
+def test_a_scan_still_reads_as_looped():
+    closed = jax.make_jaxpr(lambda v: jax.lax.scan(lambda c, y: (c + y, None), 0.0, v)[0])(
+        jnp.ones(3))
+    assert detect_form(closed) == "looped", VERSION
+
+
+# -- NumPyro ------------------------------------------------------------------------------
+
+
+def test_numpyros_private_attributes():
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal())
+        numpyro.sample("y", dist.Normal(mu), obs=y)
+
+    kernel = NUTS(model, max_tree_depth=7, target_accept_prob=0.9)
+    settings = numpyro_internals.kernel_settings(kernel)
+    where = f"numpyro {numpyro.__version__}"
+    assert settings["max_tree_depth"] == 7 and settings["target_accept_prob"] == 0.9, where
+    assert numpyro_internals.max_tree_depth(kernel) == 7, where
+    mcmc = MCMC(kernel, num_warmup=5, num_samples=5, progress_bar=False)
+    y = jnp.ones(4)
+    mcmc.run(jax.random.PRNGKey(0), y, extra_fields=())
+    args, kwargs = numpyro_internals.mcmc_arguments(mcmc)
+    assert len(args) == 1 and args[0] is y and kwargs == {}, where
+    after = numpyro_internals.kernel_settings(kernel)
+    assert not (set(after) - set(settings)) - {k.lstrip("_") for k in
+                                                 numpyro_internals.BUILT_AT_INIT}, where
+
+
+@pytest.mark.parametrize("name", numpyro_internals.__all__)
+def test_every_numpyro_internal_is_tested_here(name):
+    import inspect
+
+    source = inspect.getsource(test_numpyros_private_attributes)
+    assert name in source or name == "kernel_function", name
