@@ -16,12 +16,14 @@ import time
 import jax
 import numpy as np
 import xarray as xr
+from numpyro.infer import Predictive
 
 import parallel_backend as pb
-from parallel_backend.extend import resolve_executor
+from parallel_backend.extend import is_tracer, resolve_executor
+
 from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, factor_sites,
                                               pointwise_log_likelihood, quietly, run_record,
-                                              trace_model)
+                                              trace_model, unobserved)
 
 from . import container
 
@@ -30,7 +32,8 @@ __all__ = ["to_arviz", "HMC_EXTRA_FIELDS"]
 
 def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=None,
              log_likelihood=True, factor_data=True, coords=None, dims=None, chunk_draws=None,
-             chunk_rows=None, attrs=None, **from_numpyro_kwargs):
+             chunk_rows=None, attrs=None, posterior_predictive=None, predictive_seed=0,
+             **from_numpyro_kwargs):
     """Convert a finished NumPyro ``MCMC`` run to ArviZ's format.
 
     Parameters
@@ -59,6 +62,12 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
         :func:`~parallel_backend.plugins.numpyro.loglik.pointwise_log_likelihood`).
     attrs : dict, optional
         Extra attributes for the run's ``attrs`` (``pb.sample`` passes wall times).
+    posterior_predictive : bool or dict, optional
+        ``True``: add a ``posterior_predictive`` group, one draw of every observed site
+        (``pb.observe`` and ``numpyro.sample(obs=...)``) per posterior draw, with the
+        observations' dims; a dict of arrays ``(chains, draws, ...)`` is passed to ArviZ.
+    predictive_seed : int or PRNG key
+        The key of those draws (``pb.sample`` passes one made from its ``seed``).
     **from_numpyro_kwargs
         Passed to ``arviz.from_numpyro`` (``constant_data``, ``posterior_predictive``...).
 
@@ -105,10 +114,15 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
         groups, root = container.parts(base)
         # A pb.factor site is observed at an empty value (as numpyro.factor): not data.
         if "observed_data" in groups:
-            keep = [v for v in groups["observed_data"].data_vars if v not in sites]
+            keep = [v for v in groups["observed_data"].data_vars
+                    if sites.get(v, {}).get("kind", "observe") == "observe"]
             groups["observed_data"] = groups["observed_data"][keep]
             if not keep:
                 del groups["observed_data"]
+        if posterior_predictive is True and rec.model is not None:
+            pp = _posterior_predictive(rec, flat, groups, predictive_seed, coords)
+            if pp is not None:
+                groups["posterior_predictive"] = pp
         info = {}
         if log_likelihood and rec.model is not None:
             ll, info = _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims,
@@ -155,6 +169,9 @@ def _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims, chunk_
     for name, v in ll.items():
         if name in dims:
             ll_dims[name] = list(dims[name])
+        elif name in sites and sites[name].get("kind") == "observe" and observed is not None \
+                and name in observed:
+            ll_dims[name] = list(observed[name].dims[:1])
         elif name in sites:
             ll_dims[name] = [f"{name}_dim_0"]
         elif observed is not None and name in observed:
@@ -166,6 +183,24 @@ def _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims, chunk_
                 "log_likelihood_chunk_draws": int(max(p.chunk_draws for p in plans.values())),
                 "log_likelihood_chunk_rows": [int(p.chunk_rows) for p in plans.values()]}
     return container.dataset(ll, coords=coords, dims=ll_dims), info
+
+
+def _posterior_predictive(rec, flat, groups, seed, coords):
+    """The ``posterior_predictive`` dataset: every observed site drawn at every posterior
+    draw (``numpyro.infer.Predictive`` of the model with its observations unobserved), on
+    the observations' dims; ``None`` without observed sites."""
+    observed = groups.get("observed_data")
+    names = list(observed.data_vars) if observed is not None else []
+    if not names:
+        return None
+    key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+    with quietly():
+        draws = Predictive(unobserved(rec.model, names=names), flat, return_sites=names)(
+            key, *rec.model_args, **rec.model_kwargs)
+    pp = {n: np.asarray(v).reshape((rec.num_chains, rec.num_draws) + np.shape(v)[1:])
+          for n, v in draws.items()}
+    dims = {n: list(observed[n].dims) for n in pp}
+    return container.dataset(pp, coords=coords, dims=dims)
 
 
 def _factor_sites(rec, flat) -> dict:
@@ -191,8 +226,9 @@ def _add_constant_rows(groups: dict, sites: dict, coords, dims) -> None:
     values, var_dims = {}, {}
     for name, info in sites.items():
         row_dim = list(dims.get(name, [f"{name}_dim_0"]))[0]
-        for path, leaf in jax.tree_util.tree_flatten_with_path(info["data"])[0]:
-            if isinstance(leaf, jax.core.Tracer):
+        data = info["data"][0] if info.get("kind") == "observe" else info["data"]  # obs: observed_data
+        for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
+            if is_tracer(leaf):
                 continue
             arr = np.asarray(leaf)
             keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]

@@ -30,7 +30,7 @@ from numpyro.infer.mcmc import MCMCKernel
 
 import parallel_backend as pb
 from parallel_backend.extend import check_count, resolve_executor
-from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, Chains, Progress, check,
+from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, Chains, Progress, Tuner, check,
                                               collected_fields, draw_names, fingerprint,
                                               lanes_for, signature, terminal, to_host, unpack)
 
@@ -45,8 +45,8 @@ CHAIN_METHODS = ("vectorized", "parallel", "sequential")
 
 def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
            chain_method="vectorized", seed=0, executor=None, progress_bar=True,
-           init_params=None, nuts_kwargs=None, arviz_kwargs=None, checkpoint=None,
-           checkpoint_every=100, **model_kwargs):
+           init_params=None, nuts_kwargs=None, posterior_predictive=False, arviz_kwargs=None,
+           checkpoint=None, checkpoint_every=100, **model_kwargs):
     """Run NumPyro's NUTS on ``model`` and return the run in ArviZ's format.
 
     Every ``pb.reduce_sum``/``pb.factor`` inside the model runs on ``executor``
@@ -77,6 +77,11 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     nuts_kwargs : dict, optional
         Passed to ``NUTS`` (``target_accept_prob``, ``max_tree_depth``,
         ``dense_mass``...); not allowed with a kernel.
+    posterior_predictive : bool
+        Add a ``posterior_predictive`` group: a draw of every observed site
+        (``pb.observe`` and ``numpyro.sample(obs=...)``) at every posterior draw, dims as
+        the site's ``observed_data`` (ready for ``arviz.plot_ppc``, ``arviz.loo_pit``),
+        drawn with a key made from ``seed``; a resumed run gets the same draws.
     arviz_kwargs : dict, optional
         Passed to :func:`parallel_backend.to_arviz` (``coords``, ``dims``,
         ``log_likelihood=False``...).
@@ -197,13 +202,18 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
                                [saved.draws[n] for n in names], saved.done)
             if path is not None:
                 on_segment = ckpt.writer(path, chains, fields, draws, print_, history, progress)
-            chains.run(checkpoint_every if path is not None else None, on_segment)
+            tuner = Tuner(chains.segments, progress)
+            chains.run(checkpoint_every if path is not None else None, on_segment, tuner)
             progress.finish()
+            tuner.count_graph_evaluations()
         attrs = {"chain_method": chain_method if isinstance(chain_method, str) else "callable",
                  "num_warmup": int(num_warmup), **history.attrs(progress.seconds)}
         # From here on the draws exist: whatever fails must not lose them.
         try:
-            run = to_arviz(chains.result(), executor=ex, attrs=attrs, **(arviz_kwargs or {}))
+            run = to_arviz(chains.result(), executor=ex, attrs=attrs,
+                           **({"posterior_predictive": True,
+                               "predictive_seed": jax.random.fold_in(key, 1)}
+                              if posterior_predictive else {}), **(arviz_kwargs or {}))
         except Exception as e:
             raise _rescue(e, path, chains, fields, draws, print_, history, progress) from e
         if path is not None:

@@ -22,7 +22,7 @@ import parallel_backend as pb
 
 from .replay import factor_sites, quietly, trace_model
 
-__all__ = ["pointwise_log_likelihood", "LogLikPlan", "default_chunks"]
+__all__ = ["log_likelihood", "pointwise_log_likelihood", "LogLikPlan", "default_chunks"]
 
 #: Draws x rows evaluated per task, by default (float32: 1 MiB of output per task).
 TASK_VALUES = 2 ** 18
@@ -46,6 +46,73 @@ class LogLikPlan(NamedTuple):
     chunk_draws: int
     chunk_rows: int
     tasks: int
+
+
+def log_likelihood(model, samples: dict, *model_args, executor=None, **model_kwargs) -> dict:
+    """Pointwise log-likelihood of every ``pb.factor``, ``pb.observe`` and observed site.
+
+    The counterpart of ``numpyro.infer.log_likelihood``, with its keys and shapes: the
+    rows of ``pb.factor`` and ``pb.observe`` sites are evaluated in parallel chunks on
+    the executor, other observed sites as NumPyro evaluates them.
+
+    Parameters
+    ----------
+    model : callable
+        The NumPyro model.
+    samples : dict
+        Draws ``{site: array}`` with leading axes ``(draws,)``, or ``(chains, draws)``
+        (``mcmc.get_samples(group_by_chain=True)``): which, is read from the model's sites.
+    *model_args, **model_kwargs
+        The model's arguments (with the observations).
+    executor : Executor or str, optional
+        Who evaluates the rows; default: each site's own ``executor=``, else the
+        innermost ``use_executor``, else the default executor.
+
+    Returns
+    -------
+    dict
+        ``{site: np.ndarray}``, ``(draws, N)`` (or ``(chains, draws, N)``) per ``pb.factor``
+        and ``pb.observe`` site, ``(draws, *batch_shape)`` per other observed site.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import parallel_backend as pb
+    >>> def model(x, y=None):
+    ...     b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    ...     pb.observe("y", lambda x, b: dist.Normal(b * x, 1.0), x, b, obs=y)
+    >>> x = jnp.linspace(-1.0, 1.0, 5)
+    >>> pb.log_likelihood(model, {"b": jnp.zeros((2, 3))}, x, 0.5 * x)["y"].shape
+    (2, 3, 5)
+    """
+    if not isinstance(samples, dict) or not samples:
+        raise ValueError("log_likelihood: samples must be a non-empty dict {site: draws}, got "
+                         f"{type(samples).__name__}")
+    samples = {k: jnp.asarray(v) for k, v in samples.items()}
+    lead = _batch_dims(model, samples, model_args, model_kwargs)
+    shape = tuple(jnp.shape(next(iter(samples.values())))[:lead])
+    flat = {k: jnp.reshape(v, (-1,) + tuple(jnp.shape(v)[lead:])) for k, v in samples.items()}
+    values, _ = pointwise_log_likelihood(model, flat, *model_args, executor=executor,
+                                         **model_kwargs)
+    return {k: np.reshape(v, shape + v.shape[1:]) for k, v in values.items()}
+
+
+def _batch_dims(model, samples, model_args, model_kwargs) -> int:
+    """How many leading axes of ``samples`` are draws (1, or 2 for chains and draws):
+    a sample's dimensions beyond its site's in one trace of the model."""
+    with quietly():
+        trace = trace_model(model, model_args, model_kwargs)
+    for name, value in samples.items():
+        if name in trace:
+            extra = jnp.ndim(value) - jnp.ndim(trace[name]["value"])
+            if extra not in (1, 2):
+                raise ValueError(f"log_likelihood: samples[{name!r}] has shape "
+                                 f"{jnp.shape(value)} but the site has shape "
+                                 f"{jnp.shape(trace[name]['value'])}: expected 1 (draws) or 2 "
+                                 f"(chains, draws) leading axes")
+            return int(extra)
+    raise ValueError(f"log_likelihood: none of the samples {sorted(samples)} is a site of the "
+                     f"model ({sorted(trace)})")
 
 
 def default_chunks(n_draws: int, n_rows: int) -> tuple[int, int]:

@@ -62,6 +62,8 @@ class FactorUnit(Unit):
 
     pytree_data_fields = ("data", "shared")
     pytree_aux_fields = ("fn", "executor", "grainsize", "block_rows")
+    #: Marks the distribution of a parallel_backend site (``pb.observe``'s too).
+    pb_site = "factor"
 
     def __init__(self, log_factor, fn, data, shared, executor=None, grainsize=None,
                  block_rows=None):
@@ -71,25 +73,30 @@ class FactorUnit(Unit):
 
     @property
     def inputs(self) -> dict:
-        """``fn``, ``data``, ``shared``, ``executor``, ``grainsize`` and ``block_rows``."""
+        """``fn``, ``data``, ``shared``, ``executor``, ``grainsize``, ``block_rows`` and
+        ``kind`` (``"factor"``)."""
         return dict(fn=self.fn, data=self.data, shared=self.shared, executor=self.executor,
-                    grainsize=self.grainsize, block_rows=self.block_rows)
+                    grainsize=self.grainsize, block_rows=self.block_rows, kind="factor")
 
 
 def site_inputs(site):
-    """The ``reduce_sum`` inputs of a ``pb.factor`` trace site (through any wrapper a
-    handler put around its distribution), or ``None`` for another site."""
-    if site.get("type") != "sample" or not (site.get("infer") or {}).get(INFER_KEY):
+    """The ``reduce_sum`` inputs of a ``pb.factor`` or observed ``pb.observe`` trace site
+    (through any wrapper a handler put around its distribution), or ``None`` for another
+    site."""
+    if (site.get("type") != "sample" or not site.get("is_observed")
+            or not (site.get("infer") or {}).get(INFER_KEY)):
         return None
     fn = site["fn"]
-    while not isinstance(fn, FactorUnit) and hasattr(fn, "base_dist"):
+    while getattr(fn, "pb_site", None) is None and hasattr(fn, "base_dist"):
         fn = fn.base_dist
-    return fn.inputs if isinstance(fn, FactorUnit) else None
+    return fn.inputs if getattr(fn, "pb_site", None) is not None else None
 
 
 def factor_sites(trace) -> dict:
-    """The ``pb.factor`` sites of a NumPyro trace: ``{name: inputs}`` with ``fn``, ``data``,
-    ``shared``, ``executor``, ``grainsize`` and ``block_rows``."""
+    """The ``pb.factor`` and observed ``pb.observe`` sites of a NumPyro trace: ``{name:
+    inputs}`` with ``fn``, ``data``, ``shared``, ``executor``, ``grainsize``,
+    ``block_rows`` and ``kind`` (``"factor"`` or ``"observe"``; an observe site's ``fn``
+    gives each row's log-density of ``data = (data, obs)``)."""
     out = {}
     for name, site in trace.items():
         inputs = site_inputs(site)

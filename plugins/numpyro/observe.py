@@ -1,0 +1,269 @@
+"""``pb.observe``: an observed NumPyro site over rows whose log-density is a ``reduce_sum``.
+
+The parallel counterpart of ``numpyro.sample(name, dist, obs=obs)`` inside a plate over
+the rows of ``data``. With ``obs`` given, the site's distribution is
+:class:`ObservedRows`: its ``log_prob(obs)`` is ``reduce_sum`` of the rows'
+``dist_fn(chunk, *shared).log_prob(obs_chunk)`` (computed when NumPyro asks for it, so a
+model traced only to read its sites evaluates nothing), and it carries its inputs so that
+the pointwise log-likelihood can be recomputed (:mod:`.loglik`). With ``obs=None`` it
+is ``numpyro.sample(name, dist_fn(data, *shared))``: the same draws as plain NumPyro with
+the same key. :func:`unobserved` turns observed sites into draws (posterior predictive
+checks of a model that was given its observations). Imports jax, numpy and numpyro.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.distributions import Distribution, constraints
+from numpyro.primitives import Messenger
+
+import parallel_backend as pb
+
+from .replay import INFER_KEY
+
+__all__ = ["observe", "ObservedRows", "RowLogProb", "unobserved"]
+
+
+class RowLogProb:
+    """``fn(rows, *shared)`` of an observed site: per row, ``dist_fn(data_rows,
+    *shared).log_prob(obs_rows)`` summed over the batch dimensions after the rows, where
+    ``rows`` is ``(data, obs)`` (or ``(data, obs, mask)`` for a masked site)."""
+
+    def __init__(self, dist_fn, masked: bool = False):
+        self.dist_fn, self.masked = dist_fn, masked
+        self.__name__ = getattr(dist_fn, "__name__", type(dist_fn).__name__)
+
+    def __call__(self, rows, *shared):
+        data, obs = rows[0], rows[1]
+        lp = self.dist_fn(data, *shared).log_prob(obs)
+        if self.masked:
+            lp = jnp.where(rows[2], lp, jnp.zeros((), lp.dtype))
+        return lp.reshape(lp.shape[:1] + (-1,)).sum(axis=1) if lp.ndim > 1 else lp
+
+    def __eq__(self, other):
+        return (type(other) is RowLogProb and other.dist_fn is self.dist_fn
+                and other.masked == self.masked)
+
+    def __hash__(self):
+        return hash((RowLogProb, id(self.dist_fn), self.masked))
+
+
+class ObservedRows(Distribution):
+    """The distribution of an observed ``pb.observe`` site: its value is ``obs``
+    (``N`` rows), its ``log_prob(obs)`` the sum over rows computed by ``reduce_sum``, its
+    ``sample`` a draw of ``dist_fn(data, *shared)``.
+
+    ``batch_shape`` is ``()`` and ``event_shape`` ``obs``'s shape: NumPyro sums the
+    log-density of the rows once, as for ``numpyro.factor``. ``mask`` with an array of
+    per-row flags (``numpyro.handlers.mask``) masks rows inside the ``reduce_sum``.
+    """
+
+    pytree_data_fields = ("data", "shared", "obs", "row_mask")
+    pytree_aux_fields = ("dist_fn", "executor", "grainsize", "block_rows", "name")
+    pb_site = "observe"
+
+    def __init__(self, name, dist_fn, data, shared, obs, executor=None, grainsize=None,
+                 block_rows=None, row_mask=None):
+        self.name, self.dist_fn, self.data, self.shared, self.obs = (
+            name, dist_fn, data, tuple(shared), obs)
+        self.executor, self.grainsize, self.block_rows = executor, grainsize, block_rows
+        self.row_mask = row_mask
+        super().__init__(batch_shape=(), event_shape=tuple(jnp.shape(obs)))
+
+    @property
+    def support(self):
+        return constraints.independent(self.full().support, 1)
+
+    @property
+    def is_discrete(self):
+        return self.full().is_discrete
+
+    def full(self):
+        """``dist_fn(data, *shared)``: the distribution of all rows."""
+        return self.dist_fn(self.data, *self.shared)
+
+    @property
+    def inputs(self) -> dict:
+        """The ``reduce_sum`` inputs of the site (as :func:`.replay.site_inputs` gives)."""
+        rows = (self.data, self.obs) if self.row_mask is None else (
+            self.data, self.obs, self.row_mask)
+        return dict(fn=RowLogProb(self.dist_fn, self.row_mask is not None), data=rows,
+                    shared=self.shared, executor=self.executor, grainsize=self.grainsize,
+                    block_rows=self.block_rows, kind="observe")
+
+    def log_prob(self, value):
+        if value is not self.obs:  # not the site's own observations: the plain sum
+            lp = self.full().log_prob(value)
+            if self.row_mask is not None:
+                lp = jnp.where(self.row_mask, lp, jnp.zeros((), lp.dtype))
+            return jnp.sum(lp)
+        inputs = self.inputs
+        return pb.reduce_sum(inputs["fn"], inputs["data"], *self.shared,
+                             executor=self.executor, grainsize=self.grainsize,
+                             block_rows=self.block_rows)
+
+    def sample(self, key, sample_shape=()):
+        return self.full().sample(key, sample_shape)
+
+    def mask(self, mask):
+        if isinstance(mask, bool) or jnp.ndim(mask) == 0:
+            return super().mask(mask)
+        n = _rows(self.obs)
+        lead = _batch_shape(self.dist_fn, self.data, self.shared)
+        if not jnp.shape(mask) or jnp.shape(mask)[0] not in (1, n):
+            raise ValueError(f"pb.observe site {self.name!r}: a mask over rows must have "
+                             f"leading size {n} (the rows) or 1; got shape {jnp.shape(mask)}")
+        full = jnp.broadcast_to(jnp.asarray(mask, bool), lead)
+        if self.row_mask is not None:
+            full = full & self.row_mask
+        return ObservedRows(self.name, self.dist_fn, self.data, self.shared, self.obs,
+                            self.executor, self.grainsize, self.block_rows, full)
+
+
+def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=None,
+            block_rows=None):
+    """An observed site over the rows of ``data``, evaluated as ``reduce_sum`` evaluates.
+
+    The parallel counterpart of ``numpyro.sample(name, dist_fn(data, *shared), obs=obs)``
+    inside a plate over the rows.
+
+    Parameters
+    ----------
+    name : str
+        Site name.
+    dist_fn : callable
+        ``dist_fn(data_chunk, *shared)`` returns a NumPyro distribution whose batch shape
+        starts with the chunk's rows.
+    data : pytree of arrays
+        Every leaf with the same leading size ``N``, the rows.
+    *shared : pytrees
+        Passed whole to every chunk: parameters and small data.
+    obs : array or None
+        The observations, leading size ``N``. ``None``: the site draws ``name`` from
+        ``dist_fn(data, *shared)`` (prior and posterior predictive).
+    executor, grainsize, block_rows
+        As for :func:`parallel_backend.reduce_sum`.
+
+    Returns
+    -------
+    jax.Array
+        ``obs``, or the values drawn where ``obs`` is ``None``.
+
+    Raises
+    ------
+    ValueError
+        ``dist_fn``'s batch shape does not start with the rows, or ``obs``'s shape does
+        not match the distribution's (message names the site, the argument and shapes).
+    TypeError
+        Integer or boolean ``obs`` with a continuous distribution.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import parallel_backend as pb
+    >>> x = jnp.linspace(-1.0, 1.0, 6)
+    >>> def model(x, y=None):
+    ...     b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    ...     pb.observe("y", lambda x, b: dist.Normal(b * x, 1.0), x, b, obs=y)
+    >>> y = 0.5 * x
+    >>> tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(x, y)
+    >>> tr["y"]["is_observed"], tr["y"]["value"].shape
+    (True, (6,))
+    >>> numpyro.infer.Predictive(model, {"b": jnp.ones(3)})(jax.random.PRNGKey(1), x)["y"].shape
+    (3, 6)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"observe: name must be a str, got {type(name).__name__}")
+    if not callable(dist_fn):
+        raise TypeError(f"pb.observe site {name!r}: dist_fn must be callable, got "
+                        f"{type(dist_fn).__name__}")
+    n = _data_rows(name, data)
+    batch, event, discrete = _probe(name, dist_fn, data, shared)
+    if not batch or batch[0] != n:
+        raise ValueError(f"pb.observe site {name!r}: dist_fn(data, *shared) must have a batch "
+                         f"shape that starts with the {n} rows of data; got batch shape "
+                         f"{batch} (event shape {event})")
+    if obs is None:
+        return numpyro.sample(name, dist_fn(data, *shared))
+    shape = tuple(jnp.shape(obs))
+    if not shape or shape[0] != n:
+        raise ValueError(f"pb.observe site {name!r}: obs must have leading size {n} (the rows "
+                         f"of data); got obs shape {shape}")
+    want = batch + event
+    if shape != want and not _broadcasts(shape, want):
+        raise ValueError(f"pb.observe site {name!r}: obs shape {shape} does not match the "
+                         f"distribution's batch + event shape {want}")
+    kind = np.dtype(jnp.result_type(obs)).kind
+    if kind in "biu" and not discrete:
+        raise TypeError(f"pb.observe site {name!r}: obs has dtype {jnp.result_type(obs)} "
+                        f"(discrete) but dist_fn returns a continuous distribution; pass float "
+                        f"observations, or a discrete distribution")
+    site = ObservedRows(name, dist_fn, data, shared, obs, executor, grainsize, block_rows)
+    return numpyro.sample(name, site, obs=obs, infer={INFER_KEY: True})
+
+
+def _data_rows(name, data) -> int:
+    leaves = jax.tree.leaves(data)
+    if not leaves:
+        raise ValueError(f"pb.observe site {name!r}: data has no arrays; its leading axis is "
+                         f"the rows")
+    sizes = {tuple(jnp.shape(x))[:1] for x in leaves}
+    if len(sizes) != 1 or sizes == {()}:
+        raise ValueError(f"pb.observe site {name!r}: every leaf of data must have the same "
+                         f"leading size (the rows); got shapes "
+                         f"{[tuple(jnp.shape(x)) for x in leaves]}")
+    return int(sizes.pop()[0])
+
+
+def _broadcasts(shape, to) -> bool:
+    try:
+        return np.broadcast_shapes(shape, to) == tuple(to)
+    except ValueError:
+        return False
+
+
+def _rows(x) -> int:
+    return int(jnp.shape(x)[0])
+
+
+def _probe(name, dist_fn, data, shared):
+    """``(batch_shape, event_shape, is_discrete)`` of ``dist_fn(data, *shared)``, found
+    without computing it."""
+    facts = {}
+
+    def build(d, s):
+        dist_ = dist_fn(d, *s)
+        if not isinstance(dist_, Distribution):
+            raise TypeError(f"pb.observe site {name!r}: dist_fn must return a NumPyro "
+                            f"distribution, got {type(dist_).__name__}")
+        facts.update(batch=tuple(dist_.batch_shape), event=tuple(dist_.event_shape),
+                     discrete=bool(dist_.is_discrete))
+        return 0
+
+    jax.eval_shape(build, data, tuple(shared))
+    return facts["batch"], facts["event"], facts["discrete"]
+
+
+def _batch_shape(dist_fn, data, shared) -> tuple:
+    return _probe("", dist_fn, data, shared)[0]
+
+
+class unobserved(Messenger):
+    """A handler under which observed sites draw their value instead (posterior and prior
+    predictive of a model that was given its observations): ``numpyro.sample`` with
+    ``obs`` and ``pb.observe`` alike; ``pb.factor`` sites and other auxiliary sites are
+    left alone. ``names`` limits it to those sites."""
+
+    def __init__(self, fn=None, names=None):
+        self.names = None if names is None else set(names)
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if (msg["type"] == "sample" and msg.get("is_observed")
+                and not (msg.get("infer") or {}).get("is_auxiliary", False)
+                and (self.names is None or msg["name"] in self.names)):
+            msg["value"] = None
+            msg["is_observed"] = False
