@@ -155,3 +155,5 @@ SIZES = {"1k": 1_000, "10k": 10_000, "50k": 50_000, "200k": 200_000, "1M": 1_000
 LIKELIHOODS = {f"{name}_{tag}": (make, n) for name, make in MAKERS.items()
                for tag, n in SIZES.items()}
 LIKELIHOODS["hmm_5k"] = (hmm, 5_000)
+LIKELIHOODS["hmm_20k"] = (hmm, 20_000)
+LIKELIHOODS["hmm_100k"] = (hmm, 100_000)

@@ -32,8 +32,9 @@ def make_data(rows: int, groups: int, seed: int = 0):
             jnp.asarray(group, jnp.int32))
 
 
-def loglik(rows, mu, beta, sigma):
-    return dist.Normal(mu + beta * rows["x"] + rows["effect"], sigma).log_prob(rows["y"])
+def likelihood(rows, mu, beta, sigma):
+    """The distribution of each row's ``y``; ``rows["effect"]`` is a parameter per row."""
+    return dist.Normal(mu + beta * rows["x"] + rows["effect"], sigma)
 
 
 def model(x, y, group, groups):
@@ -43,7 +44,7 @@ def model(x, y, group, groups):
     sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
     z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([groups]))
     theta = numpyro.deterministic("theta", tau * z)  # non-centred
-    pb.factor("y", loglik, {"x": x, "y": y, "effect": theta[group]}, mu, beta, sigma)
+    pb.observe("y", likelihood, {"x": x, "effect": theta[group]}, mu, beta, sigma, obs=y)
 
 
 def main(argv=None):

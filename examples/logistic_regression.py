@@ -33,9 +33,9 @@ def make_data(rows: int, features: int, seed: int = 0):
     return jnp.asarray(X), jnp.asarray(y)
 
 
-def loglik(rows, alpha, beta):
-    """Pointwise: one log-likelihood per row."""
-    return dist.Bernoulli(logits=alpha + rows["X"] @ beta).log_prob(rows["y"])
+def likelihood(X, alpha, beta):
+    """The distribution of the rows of ``X`` (a batch of Bernoullis, one per row)."""
+    return dist.Bernoulli(logits=alpha + X @ beta)
 
 
 def priors(features):
@@ -44,14 +44,16 @@ def priors(features):
     return alpha, beta
 
 
-def pb_model(X, y):
+def pb_model(X, y=None):
+    """``pb.observe`` where plain NumPyro has a plate and an observed site."""
     alpha, beta = priors(X.shape[1])
-    pb.factor("y", loglik, {"X": X, "y": y}, alpha, beta)
+    pb.observe("y", likelihood, X, alpha, beta, obs=y)
 
 
-def plain_model(X, y):
+def plain_model(X, y=None):
     alpha, beta = priors(X.shape[1])
-    numpyro.sample("y", dist.Bernoulli(logits=alpha + X @ beta), obs=y)
+    with numpyro.plate("rows", X.shape[0]):
+        numpyro.sample("y", likelihood(X, alpha, beta), obs=y)
 
 
 def main(argv=None):

@@ -5,7 +5,7 @@ model is a Gaussian-emission HMM (4 states, 100 steps per sequence; the log-spac
 forward algorithm is each sequence's log-density), fitted by NUTS with plain
 NumPyro and with ``pb.factor`` on a :class:`~parallel_backend.ThreadExecutor`:
 same model, data, seed and settings. ``--model negbin`` fits a negative-binomial
-regression instead (XLA already spreads its elementwise work over the cores, so
+regression instead, written with ``pb.observe`` against a plate and an observed site (XLA already spreads its elementwise work over the cores, so
 there is little to win there on few cores; the demo says what it measured).
 
 Imports numpy at module level; numpyro and jax inside the functions. Never changes
@@ -129,13 +129,12 @@ def make_negbin_data(n_rows: int = 200_000, n_features: int = 4, seed: int = 0, 
     return {"X": X, "y": y}, dict(alpha=alpha, beta=beta, phi=phi)
 
 
-def negbin_loglik(data, alpha, beta, phi):
-    """Pointwise log-density of the negative-binomial regression."""
+def negbin_dist(X, alpha, beta, phi):
+    """The distribution of the rows of ``X`` (negative binomial, mean and concentration)."""
     import jax.numpy as jnp
     import numpyro.distributions as dist
 
-    mu = jnp.exp(alpha + data["X"] @ beta)
-    return dist.NegativeBinomial2(mu, phi).log_prob(data["y"])
+    return dist.NegativeBinomial2(jnp.exp(alpha + X @ beta), phi)
 
 
 def _negbin_priors(n_features):
@@ -153,15 +152,16 @@ def negbin_plain(data):
     import numpyro
 
     alpha, beta, phi = _negbin_priors(data["X"].shape[1])
-    numpyro.factor("y", negbin_loglik(data, alpha, beta, phi).sum())
+    with numpyro.plate("rows", data["X"].shape[0]):
+        numpyro.sample("y", negbin_dist(data["X"], alpha, beta, phi), obs=data["y"])
 
 
 def negbin_parallel(data, executor=None):
-    """The same regression with ``pb.factor``."""
+    """The same regression with ``pb.observe``."""
     import parallel_backend as pb
 
     alpha, beta, phi = _negbin_priors(data["X"].shape[1])
-    pb.factor("y", negbin_loglik, data, alpha, beta, phi, executor=executor)
+    pb.observe("y", negbin_dist, data["X"], alpha, beta, phi, obs=data["y"], executor=executor)
 
 
 #: name -> (data maker, plain model, parallel model, parameters to summarise, NUTS

@@ -41,6 +41,13 @@ def test_hierarchical():
     assert "tau" in out and "elpd_loo" in out
 
 
+def test_svi():
+    out = run_example("svi.py", "--rows", "4000", "--steps", "100", "--workers", "2")
+    assert "speedup over plain NumPyro:" in out and "beta (guide means):" in out
+    gap = float(out.split("largest relative difference of the losses:")[1].split()[0])
+    assert gap < 1e-4  # float32: the same losses to round-off
+
+
 @pytest.mark.dask
 def test_dask_cluster():
     pytest.importorskip("distributed")
@@ -68,7 +75,7 @@ def test_diagnostics_notebook():
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 2  # the trace plot and the speedup plot
+    assert len(images) >= 3  # the trace plot, the posterior predictive check, the speedup plot
     text = "".join(str(o.get("data", {}).get("text/plain", "")) + o.get("text", "")
                    for o in outputs)
     assert "elpd_loo" in text and "r_hat" in text
