@@ -161,12 +161,17 @@ def balance_blocks(plan: BlockPlan) -> BlockPlan:
     return BlockPlan(plan.n_rows, rows, n_full, tail)
 
 
-#: Rows per block of a looped evaluation (a ``scan`` per row, one block per loop
-#: iteration) at large ``N``. Each iteration runs the scan's steps over one block, so
-#: small blocks pay the per-step overhead once per block: blocks of 1,024 sequences of
-#: the HMM at 50,000 ran 0.55x-0.61x plain on two AMD EPYC machines; 2,000 ran
-#: 0.96x-1.09x there and on an Intel Xeon, where 2,500 already lost (0.77x-0.86x).
-LOOPED_ROWS = 2000
+#: Bytes of one value per row of a looped block (a ``scan`` per row, one block per loop
+#: iteration) at large ``N``: 2,000 float32 rows, 1,000 float64. Each iteration runs the
+#: scan's steps over one block, so small blocks pay the per-step overhead once per
+#: block, and a step of more than about 8 KB per value left the cache: blocks of 1,024
+#: HMM sequences at 50,000 ran 0.55x-0.61x plain on two AMD EPYC machines, 2,000 ran
+#: 0.96x-1.09x there and on an Intel Xeon; on the Xeon 2,500 float32 rows (10 KB) ran
+#: 0.77x-0.86x, and at 10,000 float64 sequences 640 and 1,000 rows 1.00x, 1,250 (10 KB)
+#: and 512 (a power of two) 0.63x.
+LOOPED_BYTES = 8000
+#: The rows of :data:`LOOPED_BYTES` in float32.
+LOOPED_ROWS = LOOPED_BYTES // 4
 #: ...and at least this many blocks (of at least ``LOOPED_MIN_ROWS`` rows), so that
 #: threads have blocks to share where plain NumPyro leaves cores idle (HMM, 3,000 to
 #: 5,000 sequences: 384 to 1,008 rows per block all ran 2.1x-2.3x on two threads).
@@ -174,9 +179,10 @@ LOOPED_MIN_BLOCKS = 8
 LOOPED_MIN_ROWS = 500
 
 
-def looped_blocks(n_rows: int) -> BlockPlan:
+def looped_blocks(n_rows: int, itemsize: int = 4) -> BlockPlan:
     """The default block plan of a looped evaluation: blocks of about
-    :data:`LOOPED_ROWS` rows, at least :data:`LOOPED_MIN_BLOCKS` of them where that
+    :data:`LOOPED_BYTES` per value (``itemsize``: bytes of the log-density's dtype),
+    at least :data:`LOOPED_MIN_BLOCKS` of them where that
     leaves :data:`LOOPED_MIN_ROWS` rows each, all of one size where the count divides
     ``N`` (else multiples of ``ROW_ALIGN``), and never a power of two (whose strides
     measured slower: 2,048 rows 0.88x-0.95x where 2,000 ran 0.96x-1.00x).
@@ -191,8 +197,11 @@ def looped_blocks(n_rows: int) -> BlockPlan:
     BlockPlan(n_rows=16384, block_rows=1824, n_full=8, tail_rows=1792)
     >>> looped_blocks(700)
     BlockPlan(n_rows=700, block_rows=700, n_full=1, tail_rows=0)
+    >>> looped_blocks(10_000, itemsize=8).block_rows
+    1000
     """
-    n = max(-(-n_rows // LOOPED_ROWS), min(LOOPED_MIN_BLOCKS, n_rows // LOOPED_MIN_ROWS), 1)
+    most = max(LOOPED_BYTES // max(int(itemsize), 1), 1)
+    n = max(-(-n_rows // most), min(LOOPED_MIN_BLOCKS, n_rows // LOOPED_MIN_ROWS), 1)
     if n_rows % n == 0:
         rows = n_rows // n
     else:

@@ -149,7 +149,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
             form = "looped"
     if balance:
-        plan = balance_blocks(plan) if form == "batched" else looped_blocks(plan.n_rows)
+        plan = (balance_blocks(plan) if form == "batched"
+                else looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize))
     return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 
 

@@ -257,10 +257,10 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
              f"; {site.get('form')} blocks of {site.get('block_rows')} rows, tiles of "
              f"{site.get('tile_blocks')} blocks; chunks of {stats['chunk_rows']} rows; "
              f"{stats['calls']} gradient evaluations")
-    timing = site.get("timing")
-    if timing:
-        print_fn("measured once per gradient, to choose: " + ", ".join(
-            f"{k} {v * 1e3:.1f} ms" for k, v in sorted(timing.items())))
+    measured = site.get("measured")
+    if measured:
+        print_fn(f"chosen during warmup from the run's own timings: {measured['route']} "
+                 f"(default {site.get('default')}; {measured['reason']})")
     print_fn(_summary(az, fit, list(names)).to_string())
     if fit.posterior.sizes["chain"] < 2:
         print_fn("(r_hat needs two chains or more: --chains 2)")

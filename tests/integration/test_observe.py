@@ -278,3 +278,58 @@ def test_sample_with_posterior_predictive(tmp_path):
     matplotlib.use("Agg")
     (az.plot_ppc if hasattr(az, "plot_ppc") else az.plot_ppc_dist)(run)
     assert post["b"].shape == (80, D)
+
+
+KILLED_CHILD = """
+import os, signal, sys, threading, time
+sys.path[:0] = [{here!r}, {tests!r}]
+import jax.numpy as jnp
+import parallel_backend as pb
+from parallel_backend.plugins.arviz.io import read_groups
+from test_observe import PREDICTIVE_RUN, data, parallel
+
+path = sys.argv[1]
+
+def watch():  # SIGKILL this process once a checkpoint past iteration 30 is on disk
+    while True:
+        try:
+            if sum(read_groups(path)[0].get("iteration", [0])) >= 30:
+                os.kill(os.getpid(), signal.SIGKILL)
+        except Exception:
+            pass
+        time.sleep(0.002)
+
+threading.Thread(target=watch, daemon=True).start()
+X, y = data(jnp.float32, n=400)
+pb.sample(parallel, X, y, executor=pb.SerialExecutor(), checkpoint=path, checkpoint_every=10,
+          **PREDICTIVE_RUN)
+print("finished without being killed", flush=True)
+"""
+PREDICTIVE_RUN = dict(num_warmup=30, num_samples=30, num_chains=1, seed=2, progress_bar=False,
+                      posterior_predictive=True)
+
+
+def test_a_resumed_run_gets_the_same_posterior_predictive(tmp_path):
+    """Killed (SIGKILL) mid-run, resumed on threads: the posterior predictive draws of
+    the uninterrupted run, bit for bit."""
+    import os
+    import signal
+    import subprocess
+
+    pytest.importorskip("arviz")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = tmp_path / "run.nc"
+    code = KILLED_CHILD.format(here=here, tests=os.path.dirname(here))
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    X, y = data(jnp.float32, n=400)
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        resumed = pb.sample(parallel, X, y, executor=ex, checkpoint=str(path),
+                            checkpoint_every=10, **PREDICTIVE_RUN)
+    assert resumed.attrs["resume_count"] == 1
+    with pb.SerialExecutor() as ex:
+        whole = pb.sample(parallel, X, y, executor=ex, **PREDICTIVE_RUN)
+    got = run_groups(resumed)["posterior_predictive"]["y"].values
+    want = run_groups(whole)["posterior_predictive"]["y"].values
+    assert got.shape == (1, 30, 400) and np.array_equal(got, want)

@@ -110,3 +110,22 @@ def test_the_arviz_plugin_uses_only_the_numpyro_plugins_public_names(path):
 def test_the_interface_module_names_only_what_exists():
     missing = [n for n in extend.__all__ if not hasattr(extend, n)]
     assert not missing and len(extend.__all__) == len(set(extend.__all__))
+
+
+def test_the_package_is_one_pure_python_wheel(tmp_path):
+    """``pip wheel .`` gives a ``py3-none-any`` wheel with the plugins mapped under the
+    package, and no compiled or C source file in it (nor in the source tree)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q",
+                          "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.endswith((".c", ".h", ".so", ".pyd", ".dylib"))]
+    assert "parallel_backend/plugins/numpyro/observe.py" in names
+    assert not [n for n in names if n.startswith("plugins/")]  # no top-level `plugins`
+    assert not list(CORE.rglob("*.c")) and not (ROOT / "setup.py").exists()
