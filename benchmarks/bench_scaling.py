@@ -51,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--max-workers", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--workers", default=None,
+                    help="comma list of worker counts to run (default: 1..max-workers)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -61,7 +63,9 @@ def main(argv=None):
     cores = sorted(os.sched_getaffinity(0))[:args.max_workers]
     for name in args.likelihoods.split(","):
         rows = []
-        for w in range(1, len(cores) + 1):
+        counts = (range(1, len(cores) + 1) if args.workers is None
+                  else [int(w) for w in args.workers.split(",") if int(w) <= len(cores)])
+        for w in counts:
             pin = ",".join(map(str, cores[:w]))
             cmd = ["taskset", "-c", pin, sys.executable, os.path.abspath(__file__), "--child",
                    json.dumps([name, args.dtype, w, args.rounds])]

@@ -25,7 +25,7 @@ class ThreadExecutor(Executor):
         Threads in the pool; ``None`` means every core this process may use.
     dispatch : {"auto", "host", "graph"}
         ``"auto"`` (default): the threads where XLA leaves cores idle (a likelihood
-        evaluated block by block, with at least two tiles per thread), the graph
+        evaluated block by block, in two tiles or more), the graph
         elsewhere; inside ``pb.sample`` both are timed on real segments of the
         sampler and the faster is kept. ``"host"`` always uses the threads,
         ``"graph"`` never.

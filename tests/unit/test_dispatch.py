@@ -53,6 +53,11 @@ def test_default_route_threads_only_where_the_site_is_looped(scan_data):
         assert batched.spec.form == "batched" and default_route(two, batched) == "graph"
         assert default_route(one, site_of(one, hmm_like, scan_data, 0.5)) == "graph"
         assert default_route(fixed, site_of(fixed, hmm_like, scan_data, 0.5)) == "graph"
+    # more workers than tiles: the graph's block loop would hold one core of sixteen
+    with pb.ThreadExecutor(16) as many:
+        state = site_of(many, hmm_like, scan_data, 0.5)
+        assert 2 <= state.spec.tiles.n_tiles < 16
+        assert default_route(many, state) == "host"
 
 
 def test_a_scan_is_looped_at_every_size_in_blocks_of_its_own():
