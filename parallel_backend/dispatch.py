@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["GRAPH", "HOST", "default_route", "can_use_host", "Slots", "SlotSite", "carried",
+__all__ = ["GRAPH", "HOST", "default_route", "Slots", "SlotSite", "carried",
            "current_slot",
            "choose", "Choice", "MARGIN", "in_a_loop", "LOOP"]
 
@@ -40,12 +40,6 @@ GRAPH, HOST = 0, 1
 MARGIN = 0.05
 #: Evaluations per timed call of :func:`in_a_loop` (benchmarks and ``pb.profile``).
 LOOP = 4
-
-
-def can_use_host(executor, state) -> bool:
-    """Whether the host path can pay at all: several workers and several tiles (and
-    whatever else the executor says, :meth:`Executor.can_use_host`)."""
-    return executor.can_use_host(state)
 
 
 def default_route(executor, state) -> str:
@@ -60,7 +54,7 @@ def default_route(executor, state) -> str:
     0.39x in the graph, whose block loop holds one core while plain's scan takes three."""
     if executor.dispatch != "auto":
         return executor.dispatch
-    if can_use_host(executor, state) and state.spec.form == "looped":
+    if executor.can_use_host(state) and state.spec.form == "looped":
         return "host"
     return "graph"
 
@@ -101,7 +95,7 @@ class Slots:
         i = self._index.get(key)
         if i is None:
             used = sum(s.slot is not None for s in self.sites)
-            switchable = (executor.dispatch == "auto" and can_use_host(executor, state)
+            switchable = (executor.dispatch == "auto" and executor.can_use_host(state)
                           and used < self.capacity)
             i = self._index[key] = len(self.sites)
             self.sites.append(SlotSite(executor, state, used if switchable else None))
