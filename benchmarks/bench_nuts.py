@@ -29,9 +29,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_model(name, n, dtype, executor):
+def make_model(name, n, dtype, executor, data_as_args=False):
     """The likelihood ``name`` of :mod:`likelihoods` with a Normal prior (sd 0.5) around
-    the true value of each parameter: one model for plain and for every executor."""
+    the true value of each parameter: one model for plain and for every executor.
+    Returns ``(model, args)``: with ``data_as_args`` the model takes the data as its
+    argument (``MCMC.run(key, data)``, traced inside the sampler), else it closes over it."""
     import jax.numpy as jnp
     import numpyro
     import numpyro.distributions as dist
@@ -41,7 +43,7 @@ def make_model(name, n, dtype, executor):
 
     fn, data, params = MAKERS[name](n, dtype)
 
-    def model():
+    def model(data=data):
         ps = [numpyro.sample(f"p{i}", dist.Normal(jnp.asarray(p), 0.5).to_event(jnp.ndim(p)))
               for i, p in enumerate(params)]
         if executor is None:
@@ -49,10 +51,13 @@ def make_model(name, n, dtype, executor):
         else:
             pb.factor("y", fn, data, *ps, executor=executor)
 
-    return model
+    if data_as_args:
+        return model, (data,)
+    return (lambda: model()), ()
 
 
-def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_depth=10):
+def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_depth=10,
+            data_as_args=False):
     """Wall seconds of warmup + sampling (compilation included), and milliseconds per
     gradient in the sampling phase. Returns ``(seconds, ms_per_grad, grads, stats)``."""
     import jax
@@ -63,17 +68,18 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_dep
     import parallel_backend as pb
 
     if variant == "plain_1core":  # the ceiling reference: plain pinned to one core
-        return _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth)
+        return _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth,
+                       data_as_args)
     executor = {"plain": lambda: None, "serial": pb.SerialExecutor, "thread": pb.ThreadExecutor,
                 "thread_host": lambda: pb.ThreadExecutor(dispatch="host"),
                 "device": pb.DeviceExecutor,
                 "device_host": lambda: pb.DeviceExecutor(dispatch="host")}[variant]()
-    model = make_model(name, n, dtype, executor)
+    model, args = make_model(name, n, dtype, executor, data_as_args)
     kernel = StampedKernel(NUTS(model, max_tree_depth=max_tree_depth))
     mcmc = MCMC(kernel, num_warmup=warmup, num_samples=samples, num_chains=chains,
                 chain_method="vectorized", progress_bar=False)
     t0 = time.perf_counter()
-    mcmc.run(jax.random.PRNGKey(seed), extra_fields=("num_steps",))
+    mcmc.run(jax.random.PRNGKey(seed), *args, extra_fields=("num_steps",))
     jax.block_until_ready(mcmc.get_samples())
     seconds = time.perf_counter() - t0
     grads = int(mcmc.get_extra_fields()["num_steps"].sum())
@@ -87,13 +93,13 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_dep
     return seconds, ms_per_grad, grads, stats
 
 
-def _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth):
+def _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth, data_as_args):
     """``plain`` in a child process pinned to core 0 (``taskset``)."""
     import subprocess
 
     cmd = ["taskset", "-c", "0", sys.executable, os.path.abspath(__file__), "--one",
            json.dumps([name, n, np_name(dtype), "plain", chains, warmup, samples, seed,
-                       max_tree_depth])]
+                       max_tree_depth, data_as_args])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     seconds, ms, grads = json.loads(out.strip().splitlines()[-1])
     return seconds, ms, grads, {}
@@ -120,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--max-tree-depth", type=int, default=10,
                     help="NUTS max_tree_depth for every variant (smaller: shorter runs)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--data-as-args", action="store_true",
+                    help="pass the data to MCMC.run as the model's argument (traced), "
+                         "instead of closing over it")
     ap.add_argument("--cpu-devices", type=int, default=None,
                     help="force this many host CPU devices (for the device variants)")
     args = ap.parse_args(argv)
@@ -135,9 +144,10 @@ def main(argv=None):
     import numpy as np
 
     if args.one:  # one plain run, for plain_1core's child process
-        name, n, dtype, variant, chains, warmup, samples, seed, depth = json.loads(args.one)
+        name, n, dtype, variant, chains, warmup, samples, seed, depth, as_args = json.loads(
+            args.one)
         s, ms, grads, _ = run_one(name, n, np.dtype(dtype), variant, chains, warmup, samples, seed,
-                                  depth)
+                                  depth, as_args)
         print(json.dumps([s, ms, grads]))
         return
     cores = len(os.sched_getaffinity(0))
@@ -158,7 +168,8 @@ def bench_one(args, name, n, chains, cores):
         for v in times:  # interleaved, so drift hits every variant alike
             s, ms, grads, stats = run_one(name, n, np.dtype(args.dtype), v, chains,
                                           args.warmup, args.samples, seed=rep,
-                                          max_tree_depth=args.max_tree_depth)
+                                          max_tree_depth=args.max_tree_depth,
+                                          data_as_args=args.data_as_args)
             times[v].append(s)
             per_grad[v].append(ms)
             info[v] = dict(grads=grads, sites=stats.get("sites"))
@@ -167,13 +178,15 @@ def bench_one(args, name, n, chains, cores):
     base, mbase = med.get("plain"), ms.get("plain")
     ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
     gratios = " ".join(f"{k}={mbase / v:.2f}x" for k, v in ms.items() if mbase and k != "plain")
-    print(f"{name:9s} N={n:,} {args.dtype} chains={chains} cores={cores} plain={base:.1f}s "
+    data = "args" if args.data_as_args else "closed"
+    print(f"{name:9s} N={n:,} {args.dtype} chains={chains} data={data} cores={cores} "
+          f"plain={base:.1f}s "
           f"wall: {ratios} | ms/grad plain={mbase:.2f}: {gratios}", flush=True)
     if args.json:
         with open(args.json, "a") as fh:
             fh.write(json.dumps(dict(model=name, n=n, dtype=args.dtype, chains=chains,
                                      warmup=args.warmup, samples=args.samples,
-                                     max_tree_depth=args.max_tree_depth,
+                                     max_tree_depth=args.max_tree_depth, data=data,
                                      cores=cores, devices=len(jax.devices()), seconds=med,
                                      ms_per_grad=ms, info=info)) + "\n")
 
