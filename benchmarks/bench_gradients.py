@@ -11,6 +11,7 @@ alike) and reported as medians and as ratios to plain (> 1: faster than plain).
 
     python benchmarks/bench_gradients.py --dtype float32
     taskset -c 0 python benchmarks/bench_gradients.py --dtype float32 --only plain
+    python benchmarks/bench_gradients.py --likelihoods hmm_20k --form batched
 """
 
 from __future__ import annotations
@@ -40,9 +41,16 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="comma list of variants to run")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every N by this")
     ap.add_argument("--json", default=None, help="append results as JSON lines here")
+    ap.add_argument("--form", default=None, choices=["batched", "looped"],
+                    help="force every site's evaluation form (to compare forms; the "
+                         "package picks it from fn's jaxpr)")
     ap.add_argument("--dask-workers", type=int, default=0,
                     help="also time DaskExecutor on a local cluster of this many worker processes")
     args = ap.parse_args(argv)
+    if args.form:
+        import parallel_backend.reduce as reduce_module
+
+        reduce_module.detect_form = lambda closed, form=args.form: form
 
     import jax
 

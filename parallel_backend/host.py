@@ -118,7 +118,7 @@ def tile_ranges(tiles: TilePlan, chunk: Chunk) -> list[tuple[int, int]]:
 def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) -> ChunkResult:
     """Evaluate the blocks of ``chunk`` (a run of whole tiles) on the calling thread, with
     one compiled call: one ``vmap`` over its blocks in the batched form, one loop over
-    them in the looped form.
+    them in the looped form (one per parameter set under a batch of them).
 
     ``resident`` (a :class:`~parallel_backend.site.Resident`) holds the prepared data of
     at least the chunk's blocks; ``evaluation`` the traced blocks from its ``first``.
@@ -133,15 +133,17 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
             t0 = time.perf_counter()  # after the gate: the chunker wants compute time
             a, b = chunk.first, chunk.first + chunk.count
             last = b == spec.plan.n_blocks
-            fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes, last)
             if spec.form == "looped":
-                out = fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
-                         np.int32(a - resident.first), np.int32(chunk.count))
+                out = _looped(program, resident, chunk, ev, last)
             elif last and spec.tiles.tail:  # the padded block apart (see Program.batched)
+                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
+                                      last)
                 tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
                 out = fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
                          program.valid[a:b - 1], tail)
             else:
+                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
+                                      last)
                 out = fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
             out = jax.device_get(out)
             seconds = time.perf_counter() - t0
@@ -149,6 +151,27 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
         raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
     return ChunkResult(chunk, out.values, tuple(out.shared_grads), tuple(out.data_grads),
                        seconds)
+
+
+def _looped(program: Program, resident, chunk: Chunk, ev: Evaluation, last: bool):
+    """A looped chunk: one call of the unbatched program, or one per parameter set of a
+    batch (``vmap``): a set's partials are then the bits of the unbatched program, as
+    in the graph path (see :func:`.batching.one_set_at_a_time`)."""
+    a, b = chunk.first, chunk.first + chunk.count
+    fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, None, last)
+    args = (resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
+            np.int32(a - resident.first), np.int32(chunk.count))
+    if ev.in_axes is None:
+        return fn(*args)
+    axes = ev.in_axes[0] + ev.in_axes[1]
+    leaves = args[1] + args[2]
+    k = next(x.shape[0] for x, ax in zip(leaves, axes) if ax == 0)
+    n = len(args[1])
+    sets = []
+    for m in range(k):
+        mine = [x[m] if ax == 0 else x for x, ax in zip(leaves, axes)]
+        sets.append(jax.device_get(fn(args[0], tuple(mine[:n]), tuple(mine[n:]), *args[3:])))
+    return jax.tree.map(lambda *xs: np.stack(xs), *sets)
 
 
 def assemble(program: Program, results, batch: tuple, traced_shapes, shared_shapes):

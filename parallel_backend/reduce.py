@@ -20,6 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import host
 from .internals import is_tracer
 from .blocks import TilePlan, balance_blocks, looped_blocks, plan_blocks, plan_tiles, row_bytes
+from .batching import one_set_at_a_time
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
@@ -179,8 +180,7 @@ def _reduce(state, executor, grainsize, route):
     (:data:`~parallel_backend.dispatch.HOST` or ``GRAPH``; both are compiled in)."""
     counter = executor.graph_counter(state) if executor.count_calls else None
 
-    def graph(traced, shared, dt, ds):
-        out = executor.graph_partials(state, traced, shared, dt, ds)
+    def counted(out):
         if counter is None:
             return out
         # A zero that counts the evaluation; adding it to every output keeps the counter
@@ -189,6 +189,9 @@ def _reduce(state, executor, grainsize, route):
         zero = counter.zero(values.sum(axis=-1))
         add = functools.partial(_add_zero, zero)
         return add(values), tuple(map(add, gs)), tuple(map(add, gd))
+
+    def graph(traced, shared, dt, ds):
+        return counted(executor.graph_partials(state, traced, shared, dt, ds))
 
     def host(traced, shared, dt, ds):
         return _host_partials(state, executor, grainsize, traced, shared, dt, ds)
@@ -200,6 +203,11 @@ def _reduce(state, executor, grainsize, route):
             return graph(traced, shared, dt, ds)
         return lax.cond(choice == HOST, lambda: host(traced, shared, dt, ds),
                         lambda: graph(traced, shared, dt, ds))
+
+    if state.spec.form == "looped":
+        partials = one_set_at_a_time(
+            lambda t, s, dt, ds: executor.graph_partials(state, t, s, dt, ds), host, counted,
+            route)
 
     def run(traced, shared, choice, dt, ds):
         # A barrier on the way out, on every route: without it XLA fused the caller's use

@@ -107,3 +107,19 @@ def test_evaluation_form_follows_fn(fresh_executor, make_problem, name, form):
     evaluate(problem, executor, None)
     (site,) = executor.stats()["sites"]
     assert site["form"] == form
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread2-host", "thread2"])
+def test_looped_site_under_vmap_is_each_set_unbatched(fresh_executor, make_problem,
+                                                       assert_identical, executor):
+    """Under ``vmap`` (vectorized chains) a looped site evaluates one parameter set at a
+    time, in the graph and on the host: each set gets the bits it gets alone."""
+    problem = make_problem("hmm", n=N)
+    args = problem.batch(BATCH)
+    got = evaluate(problem, fresh_executor(executor), None, batched=True)
+    with pb.SerialExecutor() as serial:
+        f = jax.jit(jax.value_and_grad(problem.split(serial, block_rows=BLOCK_ROWS),
+                                       argnums=(0, 1)))
+        for i in range(BATCH):
+            alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
+            assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
