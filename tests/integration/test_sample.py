@@ -58,6 +58,25 @@ def test_same_seed_same_draws_on_every_executor(data, assert_identical):
     assert c.attrs["executor"] == "thread" and c.attrs["workers"] == 2
 
 
+def test_looped_site_same_draws_on_every_executor_with_vectorized_chains(assert_identical):
+    """A looped site (the demo's HMM, a ``scan``) under 2 vectorized chains evaluates one
+    chain at a time on every path: the graph, the threads, and ``ThreadExecutor()``'s
+    choice between them during warmup (a ``lax.cond`` under ``vmap``)."""
+    from parallel_backend.plugins.cli.demo import hmm_nuts_kwargs, hmm_parallel, make_hmm_data
+
+    obs, _ = make_hmm_data(60, n_steps=12)
+    runs = []
+    for ex in (pb.SerialExecutor(), pb.ThreadExecutor(2, dispatch="host"), pb.ThreadExecutor(2)):
+        with ex:
+            runs.append(pb.sample(hmm_parallel, obs, executor=ex, num_warmup=30,
+                                  num_samples=20, num_chains=2, seed=1, progress_bar=False,
+                                  nuts_kwargs=hmm_nuts_kwargs(obs)))
+            assert [site["form"] for site in ex.stats()["sites"]] == ["looped"]
+    for other in runs[1:]:
+        assert_identical({k: other.posterior[k].values for k in ("mu", "sigma", "trans")},
+                         {k: runs[0].posterior[k].values for k in ("mu", "sigma", "trans")})
+
+
 def test_vectorized_and_sequential_chains_agree(data):
     """4 vectorized chains and 4 sequential chains: the same posterior within Monte
     Carlo error (means within 5 MCSE, sds within 30%)."""
