@@ -12,6 +12,7 @@ alike) and reported as medians and as ratios to plain (> 1: faster than plain).
     python benchmarks/bench_gradients.py --dtype float32
     taskset -c 0 python benchmarks/bench_gradients.py --dtype float32 --only plain
     python benchmarks/bench_gradients.py --likelihoods hmm_20k --form batched
+    python benchmarks/bench_gradients.py --likelihoods hmm_5k --scale 0.6 --sets 4
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="comma list of variants to run")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every N by this")
     ap.add_argument("--json", default=None, help="append results as JSON lines here")
+    ap.add_argument("--sets", type=int, default=0,
+                    help="evaluate this many parameter sets at once under vmap, as "
+                         "vectorized chains do (0: one set, no vmap)")
     ap.add_argument("--form", default=None, choices=["batched", "looped"],
                     help="force every site's evaluation form (to compare forms; the "
                          "package picks it from fn's jaxpr)")
@@ -53,6 +57,7 @@ def main(argv=None):
         reduce_module.detect_form = lambda closed, form=args.form: form
 
     import jax
+    import jax.numpy as jnp
 
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
@@ -76,8 +81,13 @@ def main(argv=None):
         n = max(1, int(n * args.scale))
         fn, data, params = make(n, dtype)
         argnums = tuple(range(len(params)))
+        if args.sets:  # distinct sets, so that no evaluation is one of another
+            params = tuple(jnp.stack([p * (1 + 0.01 * k) for k in range(args.sets)]).astype(p.dtype)
+                           for p in params)
+
         def timed(f):
             vg = jax.value_and_grad(f, argnums=argnums)
+            vg = jax.vmap(vg) if args.sets else vg
             return jax.jit(vg) if args.loop == 1 else in_a_loop(vg, args.loop)
 
         variants = {"plain": timed(lambda *p: fn(data, *p).sum())}
@@ -95,6 +105,7 @@ def main(argv=None):
         med = {k: v / args.loop for k, v in
                interleaved_medians(variants, params, args.rounds, warmup=6).items()}
         row = dict(likelihood=name, n=n, dtype=args.dtype, cores=cores, loop=args.loop,
+                   sets=args.sets,
                    seconds=med, sites={k: ex.stats()["sites"] for k, ex in executors.items()})
         if args.dask_workers:
             s = executors["dask_host"].stats()
@@ -105,7 +116,8 @@ def main(argv=None):
                   f"(data sent once: {s['data_bytes_sent']:,} bytes)", flush=True)
         base = med.get("plain")
         ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
-        print(f"{name:12s} N={n:>9,} {args.dtype} cores={cores} plain={base * 1e3 if base else float('nan'):.3f}ms "
+        sets = f" sets={args.sets}" if args.sets else ""
+        print(f"{name:12s} N={n:>9,} {args.dtype}{sets} cores={cores} plain={base * 1e3 if base else float('nan'):.3f}ms "
               f"{ratios}  " + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in med.items()), flush=True)
         if args.json:
             with open(args.json, "a") as fh:

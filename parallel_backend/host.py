@@ -159,18 +159,22 @@ def _looped(program: Program, resident, chunk: Chunk, ev: Evaluation, last: bool
     in the graph path (see :func:`.batching.one_set_at_a_time`)."""
     a, b = chunk.first, chunk.first + chunk.count
     fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, None, last)
-    args = (resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
-            np.int32(a - resident.first), np.int32(chunk.count))
+
+    def call(traced, shared):
+        return fn(resident.everything(), traced, shared, program.valid[a:b],
+                  np.int32(a - resident.first), np.int32(chunk.count))
+
+    traced = ev.blocks(a, b)
     if ev.in_axes is None:
-        return fn(*args)
-    axes = ev.in_axes[0] + ev.in_axes[1]
-    leaves = args[1] + args[2]
-    k = next(x.shape[0] for x, ax in zip(leaves, axes) if ax == 0)
-    n = len(args[1])
-    sets = []
-    for m in range(k):
-        mine = [x[m] if ax == 0 else x for x, ax in zip(leaves, axes)]
-        sets.append(jax.device_get(fn(args[0], tuple(mine[:n]), tuple(mine[n:]), *args[3:])))
+        return call(traced, ev.shared)
+    axes_t, axes_s = ev.in_axes
+    k = next(x.shape[0] for x, ax in zip(traced + ev.shared, axes_t + axes_s) if ax == 0)
+
+    def member(leaves, axes, m):
+        return tuple(x[m] if ax == 0 else x for x, ax in zip(leaves, axes))
+
+    sets = [jax.device_get(call(member(traced, axes_t, m), member(ev.shared, axes_s, m)))
+            for m in range(k)]
     return jax.tree.map(lambda *xs: np.stack(xs), *sets)
 
 

@@ -190,24 +190,27 @@ def _reduce(state, executor, grainsize, route):
         add = functools.partial(_add_zero, zero)
         return add(values), tuple(map(add, gs)), tuple(map(add, gd))
 
-    def graph(traced, shared, dt, ds):
-        return counted(executor.graph_partials(state, traced, shared, dt, ds))
-
     def host(traced, shared, dt, ds):
         return _host_partials(state, executor, grainsize, traced, shared, dt, ds)
 
-    def partials(traced, shared, choice, dt, ds):
-        if route == "host":
-            return host(traced, shared, dt, ds)
-        if route == "graph":
-            return graph(traced, shared, dt, ds)
-        return lax.cond(choice == HOST, lambda: host(traced, shared, dt, ds),
-                        lambda: graph(traced, shared, dt, ds))
+    def routed(count):
+        """The partials on ``route`` (or where ``choice`` says), the graph's through
+        ``count``."""
 
-    if state.spec.form == "looped":
-        partials = one_set_at_a_time(
-            lambda t, s, dt, ds: executor.graph_partials(state, t, s, dt, ds), host, counted,
-            route)
+        def partials(traced, shared, choice, dt, ds):
+            def graph():
+                return count(executor.graph_partials(state, traced, shared, dt, ds))
+
+            if route == "host":
+                return host(traced, shared, dt, ds)
+            if route == "graph":
+                return graph()
+            return lax.cond(choice == HOST, lambda: host(traced, shared, dt, ds), graph)
+
+        return partials
+
+    partials = (one_set_at_a_time(routed, host, counted, route) if state.spec.form == "looped"
+                else routed(counted))
 
     def run(traced, shared, choice, dt, ds):
         # A barrier on the way out, on every route: without it XLA fused the caller's use

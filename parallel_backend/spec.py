@@ -348,7 +348,8 @@ class Program:
         ``f(prepared, traced, shared, valid, tail)`` with that block's arrays apart (see
         :meth:`batched`). ``looped``: ``f(prepared, traced, shared, valid, first, count)``
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
-        vmap axes of ``(traced, shared)`` under a batch of parameter sets, or ``None``.
+        vmap axes of ``(traced, shared)`` under a batch of parameter sets, or ``None``
+        (always for the looped form: see :func:`.batching.one_set_at_a_time`).
         """
         split = last and self.spec.tiles.tail
         key = (blocks, diff_traced, diff_shared, in_axes, split)
@@ -367,8 +368,8 @@ class Program:
                 return self.looped(prepared, traced, shared, valid, first, count, blocks,
                                    diff_traced, diff_shared)
         if in_axes is not None:  # a batch of parameter sets: prepared data is shared
-            rest = {"split": ((None, in_axes[0], None),), "batched": (),
-                    "looped": (None, None)}["split" if split else self.spec.form]
+            assert self.spec.form != "looped", "a looped site runs one set at a time"
+            rest = ((None, in_axes[0], None),) if split else ()
             axes = (None, in_axes[0], in_axes[1], None) + rest
             run = jax.vmap(run, in_axes=axes)
         fn = jax.jit(run)

@@ -123,3 +123,14 @@ def test_looped_site_under_vmap_is_each_set_unbatched(fresh_executor, make_probl
         for i in range(BATCH):
             alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
             assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread2-host"])
+def test_looped_site_under_vmap_counts_one_call_of_every_set(fresh_executor, make_problem,
+                                                             executor):
+    """Evaluated one set at a time, a batch still counts as one call of ``BATCH`` sets, in
+    the graph (the counter) and on the host (the callback), as a batched site's does."""
+    problem, ex = make_problem("hmm", n=N), fresh_executor(executor)
+    evaluate(problem, ex, None, batched=True)
+    stats = ex.stats()
+    assert (stats["calls"], stats["rows"]) == (1, BATCH * N)
