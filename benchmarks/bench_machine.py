@@ -52,11 +52,15 @@ def together(k: int, calls: int, steps: int, lead: float = 15.0) -> list:
                                json.dumps([start, calls, steps])],
                               stdout=subprocess.PIPE, text=True) for _ in range(k)]
     out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=600)
-        if p.returncode:
-            raise RuntimeError(f"bench_machine: a child process exited with {p.returncode}")
-        out.append(float(stdout.strip().splitlines()[-1]))
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=600)
+            if p.returncode:
+                raise RuntimeError(f"bench_machine: a child process exited with {p.returncode}")
+            out.append(float(stdout.strip().splitlines()[-1]))
+    finally:  # a failed or hung child leaves none of the others running
+        for p in procs:
+            p.kill()
     return out
 
 
