@@ -236,7 +236,7 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
             if model == "hmm" else
             f"negative-binomial regression: {rows:,} rows, {data['X'].shape[1]} features")
     print_fn(f"{what}, {np.dtype(dtype).name}; NUTS {num_warmup} warmup + {num_samples} draws, "
-             f"{num_chains} vectorized chains, seed {seed}")
+             f"{num_chains} {'vectorized chains' if num_chains > 1 else 'chain'}, seed {seed}")
     print_fn("plain NumPyro ...")
     plain, t_plain, ms_plain = _fit(plain_model, (data,), {}, num_warmup, num_samples,
                                     num_chains, seed, progress_bar, nuts_kwargs)
