@@ -6,7 +6,8 @@ does), each step one value and gradient of the negative-binomial likelihood of
 ``likelihoods.py`` (200,000 rows, float32, data closed over). It times, per gradient:
 
 * ``plain``: ``value_and_grad`` of ``fn(data, *p).sum()``, as NumPyro differentiates;
-* ``pb``: ``value_and_grad`` of ``pb.reduce_sum`` on a ``SerialExecutor``;
+* ``pb``: ``value_and_grad`` of ``pb.reduce_sum`` on a ``SerialExecutor`` (``--executor
+  thread``: ``ThreadExecutor()``);
 * ``hand``: no package code: the rows cut by hand into blocks of ``--block-rows``, the
   block sums under ``vmap`` plus the remainder, added by ``tree_sum``, differentiated by
   JAX. If ``hand`` loses as ``pb`` does, the loss comes from the blocks, not the package;
@@ -14,7 +15,7 @@ does), each step one value and gradient of the negative-binomial likelihood of
   both added by ``tree_sum`` (the package's form: per-block gradients, summed in block
   order, are what makes them the same bits on every executor).
 
-    python benchmarks/bench_blocked_chains.py --block-rows 2048,8192 [--chains 1]
+    python benchmarks/bench_blocked_chains.py --block-rows 2048,8192 [--chains 1] [--no-matmul]
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ def hand_block_grads(fn, data, block_rows):
     return vg
 
 
+def without_matmul(fn):
+    """``fn`` with ``X @ beta`` written as a sum of elementwise products (the same
+    likelihood; does the per-block form's cost come from a batched contraction?)."""
+    def elementwise(data, alpha, beta, log_phi):
+        x = data["X"]
+        xb = sum(x[:, j] * beta[j] for j in range(x.shape[1]))
+        return fn({"X": xb[:, None], "y": data["y"]}, alpha, jnp.ones(1, xb.dtype), log_phi)
+    return elementwise
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
@@ -82,11 +93,17 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50, help="steps of the longest chain")
     ap.add_argument("--block-rows", default="8192", help="comma list, for the hand blocks")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--executor", default="serial", choices=["serial", "thread"],
+                    help="the executor of the pb variant")
+    ap.add_argument("--no-matmul", action="store_true",
+                    help="write the linear predictor as elementwise products")
     args = ap.parse_args(argv)
 
     fn, data, params = negbin(args.rows, np.float32)
     data = jax.tree.map(jnp.asarray, data)
-    executor = pb.SerialExecutor()
+    if args.no_matmul:
+        fn = without_matmul(fn)
+    executor = {"serial": pb.SerialExecutor, "thread": pb.ThreadExecutor}[args.executor]()
     variants = {"plain": lambda p: fn(data, *p).sum(),
                 "pb": lambda p: pb.reduce_sum(fn, data, *p, executor=executor)}
     for b in map(int, args.block_rows.split(",")):
@@ -106,7 +123,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             jax.block_until_ready(f(p, m, n))
             times[k].append(time.perf_counter() - t0)
-    print(f"negbin {args.rows:,} rows float32, {c} chains in a vmapped while_loop of up to "
+    print(f"negbin{' (no matmul)' * args.no_matmul} {args.rows:,} rows float32, {c} chains in a vmapped while_loop of up to "
           f"{args.steps} steps; ms per gradient step (medians of {args.rounds})")
     plain = statistics.median(times["plain"])
     for k, t in times.items():
