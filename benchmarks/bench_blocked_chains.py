@@ -3,7 +3,8 @@
 A reproducer without NumPyro: ``C`` chains (``vmap``) each run a ``while_loop`` of
 leapfrog-like steps that stops per chain (as NUTS's tree building under vectorized chains
 does), each step one value and gradient of the negative-binomial likelihood of
-``likelihoods.py`` (200,000 rows, float32, data closed over). It times, per gradient:
+``likelihoods.py`` (200,000 rows, float32, data closed over). ``--chains 1`` is still a
+``vmap`` (of one set), which NumPyro's single chain is not. It times, per gradient:
 
 * ``plain``: ``value_and_grad`` of ``fn(data, *p).sum()``, as NumPyro differentiates;
 * ``pb``: ``value_and_grad`` of ``pb.reduce_sum`` on a ``SerialExecutor`` (``--executor
