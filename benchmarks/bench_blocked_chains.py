@@ -22,8 +22,6 @@ does), each step one value and gradient of the negative-binomial likelihood of
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ import numpy as np
 import parallel_backend as pb
 from likelihoods import negbin
 from parallel_backend.blocks import tree_sum
+from timing import interleaved_medians
 
 
 def leapfrogs(value_and_grad):
@@ -105,31 +104,23 @@ def main(argv=None):
     if args.no_matmul:
         fn = without_matmul(fn)
     executor = {"serial": pb.SerialExecutor, "thread": pb.ThreadExecutor}[args.executor]()
-    variants = {"plain": lambda p: fn(data, *p).sum(),
-                "pb": lambda p: pb.reduce_sum(fn, data, *p, executor=executor)}
-    for b in map(int, args.block_rows.split(",")):
-        variants[f"hand {b}"] = hand_blocks(fn, data, b)
-    runs = {k: leapfrogs(jax.value_and_grad(f)) for k, f in variants.items()}
-    for b in map(int, args.block_rows.split(",")):
-        runs[f"hand vg {b}"] = leapfrogs(hand_block_grads(fn, data, b))
+    runs = {"plain": leapfrogs(jax.value_and_grad(lambda p: fn(data, *p).sum())),
+            "pb": leapfrogs(jax.value_and_grad(
+                lambda p: pb.reduce_sum(fn, data, *p, executor=executor)))}
+    sizes = [int(b) for b in args.block_rows.split(",")]
+    runs.update({f"hand {b}": leapfrogs(jax.value_and_grad(hand_blocks(fn, data, b)))
+                 for b in sizes})
+    runs.update({f"hand vg {b}": leapfrogs(hand_block_grads(fn, data, b)) for b in sizes})
     c = args.chains
     p = jax.tree.map(lambda x: jnp.stack([x + 0.01 * k for k in range(c)]), params)
     m = jax.tree.map(jnp.zeros_like, p)
     n = jnp.array([args.steps - 3 * k for k in range(c)])
-    for f in runs.values():
-        jax.block_until_ready(f(p, m, n))
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds):  # interleaved rounds
-        for k, f in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(p, m, n))
-            times[k].append(time.perf_counter() - t0)
-    print(f"negbin{' (no matmul)' * args.no_matmul} {args.rows:,} rows float32, {c} chains in a vmapped while_loop of up to "
-          f"{args.steps} steps; ms per gradient step (medians of {args.rounds})")
-    plain = statistics.median(times["plain"])
+    times = interleaved_medians(runs, (p, m, n), args.rounds, warmup=1)
+    print(f"negbin{' (no matmul)' * args.no_matmul} {args.rows:,} rows float32, {c} chains "
+          f"in a vmapped while_loop of up to {args.steps} steps; ms per gradient step "
+          f"(medians of {args.rounds})")
     for k, t in times.items():
-        t = statistics.median(t)
-        print(f"{k:>15}: {t / args.steps * 1e3:7.2f} ms  {plain / t:5.2f}x plain")
+        print(f"{k:>15}: {t / args.steps * 1e3:7.2f} ms  {times['plain'] / t:5.2f}x plain")
     executor.close()
 
 

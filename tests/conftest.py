@@ -22,31 +22,22 @@ def _compilation_cache() -> None:
     """Share compiled XLA programs between the tests of one test process and the
     subprocesses they start (examples, the CLI, forced-device runs): JAX's persistent
     compilation cache in a temporary folder of this process, removed at exit, unless the
-    caller named one (``JAX_COMPILATION_CACHE_DIR``). The same HLO gives the same
-    executable from the cache as from a compile, so no result changes. Much of the
-    suite's time is tracing and compiling NumPyro's programs, many of them compiled by
-    another test already (measured: an example's subprocess 30.3 s -> 22.7 s with a warm
-    cache; the default run 7:00 -> 6:00 on 2 cores)."""
+    caller named one (``JAX_COMPILATION_CACHE_DIR``). JAX reads these variables when it
+    is imported, here and in every subprocess. The same HLO gives the same executable
+    from the cache as from a compile, so no result changes (measured: an example's
+    subprocess 30.3 s -> 22.7 s with a warm cache)."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     folder = tempfile.mkdtemp(prefix=f"pb-test-jax-cache-{worker}-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ.update(JAX_COMPILATION_CACHE_DIR=folder,
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 _compilation_cache()
 
 import jax  # noqa: E402  (after the cache's environment is set)
-
-# ...and in this process's JAX too, should another plugin have imported jax first.
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1)))
-jax.config.update("jax_persistent_cache_min_entry_size_bytes",
-                  int(os.environ.get("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", 0)))
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -55,12 +55,9 @@ def test_run_demo_negbin_fits_and_agrees_with_plain():
     demo_agreeing_with_plain(model="negbin", rows=3000, num_warmup=100, num_samples=100)
 
 
-@pytest.mark.slow
 def test_run_demo_hmm_reports():
     """The HMM at a tiny size: short warmup leaves NUTS with deep trees, so only the
-    report is checked here; the posterior against plain and the truth is the other slow
-    test. Slow: ``test_cli_demo_runs_and_reports`` runs the same demo (the HMM) and checks
-    its report in the default run."""
+    report is checked here; the posterior against plain and the truth is the slow test."""
     lines = []
     out = run_demo(model="hmm", sequences=20, num_warmup=20, num_samples=20, num_chains=2,
                    workers=2, progress_bar=False, print_fn=lines.append)
