@@ -96,7 +96,7 @@ def profile(model, *model_args, executors=None, nuts=True, **model_kwargs):
     >>> [r.executor for r in report.rows]
     ['plain NumPyro', "SerialExecutor(workers=1, dispatch='graph')"]
     >>> report.recommendation
-    'stay with plain NumPyro: no executor was 1.1x faster per gradient evaluation'
+    'stay with plain NumPyro: one block per pb.factor site (100 rows), nothing to split'
     """
     targets = executors_to_profile(executors)
     try:
@@ -204,6 +204,12 @@ def _site_info(sites, executors) -> list:
 
 
 def _recommend(rows, sites, samples):
+    if sites and all(s["rows"] <= s["block_rows"] for s in sites):
+        # One block per site: every executor runs plain NumPyro's work in one piece, so a
+        # timed difference is noise (a 1.16x "win" at 100 rows was seen under load).
+        sizes = ", ".join(f"{s['rows']:,}" for s in sites)
+        return (f"stay with plain NumPyro: one block per pb.factor site ({sizes} rows), "
+                "nothing to split"), None
     candidates = [r for r in rows[1:] if r.identical is not False]
     best = min(candidates, key=lambda r: r.seconds, default=None)
     # Faster by the margin in the median and in the fastest round too: on a busy machine

@@ -93,10 +93,51 @@ def test_report_has_a_row_per_executor_and_a_recommendation():
 
 
 def test_tiny_model_recommends_plain_numpyro():
+    # 100 rows are one block: every executor runs plain NumPyro's work in one piece, so
+    # the recommendation does not depend on how noisy the timing was.
     report = pb.profile(normal_model, data(100))
-    assert report.best is None
-    assert report.recommendation.startswith("stay with plain NumPyro"), repr(report)
+    assert report.best is None and report.nuts is None
+    assert report.recommendation == ("stay with plain NumPyro: one block per pb.factor site "
+                                     "(100 rows), nothing to split"), repr(report)
     assert len(report.rows) == len(expected_labels())
+    assert all(r.seconds > 0 for r in report.rows)  # still timed and reported
+
+
+def _samples(rows, spread=1.0):
+    return {r.executor: [r.seconds, r.seconds * spread] for r in rows}
+
+
+@pytest.mark.parametrize("blocks, executor_ms, recommended", [
+    ((1,), 1.0, False),      # one block: never, however fast it was timed
+    ((1, 1), 1.0, False),
+    ((1, 3), 1.0, True),     # one site that splits is enough
+    ((3,), 1.0, True),
+    ((3,), 9.5, False),      # 1.05x: under the margin
+])
+def test_recommendation_from_injected_timings(blocks, executor_ms, recommended):
+    plain = profile_module.ProfileRow("plain NumPyro", "plain", 1, "-", 0.01, 1.0, None, None,
+                                      (), None)
+    rows = [plain, _row("ThreadExecutor(2)", executor_ms / 1e3, 0.01)]
+    sites = [dict(name=f"y{i}", rows=100 * b, block_rows=100, grainsize=None)
+             for i, b in enumerate(blocks)]
+    text, best = profile_module._recommend(rows, sites, _samples(rows))
+    assert (best is rows[1]) == recommended, text
+    if recommended:
+        assert text.startswith("use ThreadExecutor(2) with grainsize=None: 10.00x faster")
+    elif max(blocks) == 1:
+        assert "one block per pb.factor site" in text
+    else:
+        assert text.startswith("stay with plain NumPyro: no executor was 1.1x faster")
+
+
+def test_recommendation_needs_the_margin_in_the_fastest_round_too():
+    plain = profile_module.ProfileRow("plain NumPyro", "plain", 1, "-", 0.01, 1.0, None, None,
+                                      (), None)
+    rows = [plain, _row("ThreadExecutor(2)", 0.005, 0.01)]
+    sites = [dict(name="y", rows=1000, block_rows=100, grainsize=None)]
+    samples = {"plain NumPyro": [0.01, 0.004], "ThreadExecutor(2)": [0.005, 0.0045]}
+    text, best = profile_module._recommend(rows, sites, samples)
+    assert best is None and text.startswith("stay with plain NumPyro"), text
 
 
 @pytest.mark.parametrize("executor", [None, "serial"])
