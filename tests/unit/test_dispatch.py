@@ -151,14 +151,16 @@ class Loop:
 
 
 def drive(tuner, loop, seconds_per_gradient, gradients_per_iteration=10, total=300):
-    """Run the tuner's plan to the end with injected timings; the segments it asked for."""
+    """Run the tuner's plan to the end with injected timings; the segments it asked for.
+    ``gradients_per_iteration``: a number, or a function of the iteration."""
+    per = (gradients_per_iteration if callable(gradients_per_iteration)
+           else lambda i: gradients_per_iteration)
     asked, lo = [], 0
     while lo < total:
         hi, choices, route = tuner.next(lo, total)
         if loop.slots is None:
             loop.trace()
-        n = hi - lo
-        calls = n * gradients_per_iteration
+        calls = sum(per(i) for i in range(lo, hi))
         seconds = calls * (seconds_per_gradient(route, choices) if route else 0.01)
         tuner.record(route, seconds, calls, calls, (lo, hi))
         tuner.log(choices, calls, calls)
@@ -170,7 +172,8 @@ def drive(tuner, loop, seconds_per_gradient, gradients_per_iteration=10, total=3
 @pytest.mark.parametrize("host_speed,expected", [(0.6, "host"), (1.4, "graph"), (1.01, None)])
 def test_tuner_phases_and_decision(scan_data, host_speed, expected):
     """Compile (one transition), probe (one), then paired rounds alternating the order,
-    then the decision on every candidate site; a tie keeps each site's default."""
+    the default route first, then the decision on every candidate site; a tie keeps each
+    site's default."""
     with pb.ThreadExecutor(2) as ex:
         state = site_of(ex, hmm_like, scan_data, 0.5)
         loop = Loop([(ex, state)])
@@ -183,7 +186,8 @@ def test_tuner_phases_and_decision(scan_data, host_speed, expected):
     routes = [r for _, _, r, _ in asked]
     assert routes[0] is None and routes[1] == "probe"
     timed = [r for r in routes if r in ("graph", "host")]
-    assert timed == ["graph", "host", "host", "graph", "graph", "host"][:len(timed)]
+    first, other = state.decision, {"graph": "host", "host": "graph"}[state.decision]
+    assert timed == [first, other, other, first, first, other]
     assert len(timed) == 2 * ROUNDS
     for lo, hi, r, choices in asked:
         if r in ("graph", "host"):
@@ -192,6 +196,26 @@ def test_tuner_phases_and_decision(scan_data, host_speed, expected):
     assert state.measured.route == final
     assert asked[-1][3][0] == (HOST if final == "host" else GRAPH)
     assert asked[-1][1] == 300  # after deciding, one segment to the end
+
+
+def test_tuner_shortens_segments_after_a_slow_transition(scan_data):
+    """NUTS's first transition can be one gradient and the next ones thirty: the
+    segments sized from the probe shrink once a timed one ran long, so that little of
+    the run goes to the slower route (the demo's HMM, four chains: 450 gradients on it)."""
+    with pb.ThreadExecutor(2) as ex:
+        state = site_of(ex, hmm_like, scan_data, 0.5)
+        loop = Loop([(ex, state)])
+        tuner = Tuner(loop, progress=None)
+
+        def speed(route, choices):
+            return 0.06 if choices[0] == HOST else 0.095
+
+        asked = drive(tuner, loop, speed, gradients_per_iteration=lambda i: 1 if i < 2 else 30)
+    timed = [(hi - lo, r) for lo, hi, r, _ in asked if r in ("graph", "host")]
+    assert timed[0] == (7, state.decision)  # 0.4 s at the probe's 0.06 s per transition
+    assert [n for n, _ in timed[1:]] == [1] * (2 * ROUNDS - 1)  # 1.8 s per transition
+    assert state.measured.route == "host"
+    assert sum(n for n, r in timed if r == "graph") == 3
 
 
 def test_tuner_retimes_a_segment_a_checkpoint_cut(scan_data):
