@@ -115,8 +115,8 @@ class Tuner:
         return "host" if 2 * hosts >= len(sites) else "graph"
 
     def _plan_rounds(self, at: int) -> None:
-        """Paired rounds of segments of equal length: as long as :data:`SEGMENT_SECONDS`
-        asks, shortened (then fewer rounds, at least two) to stay within :data:`BUDGET`
+        """Paired rounds of segments, planned of equal length: as long as
+        :data:`SEGMENT_SECONDS` asks at the probe's transition, shortened (then fewer rounds, at least two) to stay within :data:`BUDGET`
         of the iterations left; none if even that does not fit. The first segment runs
         on the default route: sized from one probed transition, it may last far longer
         than asked (see :meth:`_shorten`), and there it costs nothing."""
