@@ -57,7 +57,6 @@ def main(argv=None):
         reduce_module.detect_form = lambda closed, form=args.form: form
 
     import jax
-    import jax.numpy as jnp
 
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
@@ -66,7 +65,7 @@ def main(argv=None):
     import parallel_backend as pb
     from parallel_backend.dispatch import in_a_loop
     import likelihoods
-    from likelihoods import LIKELIHOODS
+    from likelihoods import LIKELIHOODS, parameter_sets
     from timing import interleaved_medians
 
     if args.dask_workers:
@@ -81,9 +80,8 @@ def main(argv=None):
         n = max(1, int(n * args.scale))
         fn, data, params = make(n, dtype)
         argnums = tuple(range(len(params)))
-        if args.sets:  # distinct sets, so that no evaluation is one of another
-            params = tuple(jnp.stack([p * (1 + 0.01 * k) for k in range(args.sets)]).astype(p.dtype)
-                           for p in params)
+        if args.sets:
+            params = parameter_sets(params, args.sets)
 
         def timed(f):
             vg = jax.value_and_grad(f, argnums=argnums)

@@ -148,6 +148,14 @@ def gp_groups(n_rows: int, dtype, m: int = 12, seed: int = 0):
         jnp.asarray(np.log(0.3), dtype))
 
 
+def parameter_sets(params, sets: int):
+    """``sets`` distinct copies of ``params`` stacked on a leading axis (the ``k``-th
+    scaled by ``1 + 0.01 k``), as vectorized chains hold them: no set's evaluation is
+    another's."""
+    return tuple(jnp.stack([p * (1 + 0.01 * k) for k in range(sets)]).astype(p.dtype)
+                 for p in params)
+
+
 #: name -> (maker, rows). For the HMM and the GP a row is a sequence or a group.
 MAKERS = {"logistic": logistic, "negbin": negbin, "hmm": hmm, "newton": newton,
           "gp": gp_groups}

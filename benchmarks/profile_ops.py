@@ -65,7 +65,7 @@ def main(argv=None):
     import numpy as np
 
     import parallel_backend as pb
-    from likelihoods import LIKELIHOODS
+    from likelihoods import LIKELIHOODS, parameter_sets
     from timing import interleaved_medians
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,8 +84,7 @@ def main(argv=None):
         "pb": jax.value_and_grad(lambda p: pb.reduce_sum(fn, data, *p, executor=executor)),
     }
     if args.sets:
-        params = tuple(jnp.stack([p * (1 + 0.01 * k) for k in range(args.sets)]).astype(p.dtype)
-                       for p in params)
+        params = parameter_sets(params, args.sets)
         variants = {k: jax.vmap(v) for k, v in variants.items()}
     print(f"{args.likelihood} float32, {args.sets or 'no'} sets under vmap; thread time per "
           f"call summed over XLA's threads ({args.calls} calls; wall: isolated calls)")
@@ -95,8 +94,8 @@ def main(argv=None):
         times = op_times(c, (params,), args.calls)
         out = shapes(c.as_text())
         total = sum(times.values())
-        print(f"\n{name}: {wall[name] * 1e3:.2f} ms wall ({wall['plain'] / wall[name]:.2f}x plain), "
-              f"{total * 1e3:.2f} ms of thread time per call")
+        print(f"\n{name}: {wall[name] * 1e3:.2f} ms wall ({wall['plain'] / wall[name]:.2f}x "
+              f"plain), {total * 1e3:.2f} ms of thread time per call")
         for op, t in times.most_common(args.top):
             print(f"  {t * 1e3:8.3f} ms  {op:28s} {out.get(op, '')}")
     executor.close()

@@ -116,14 +116,13 @@ class Tuner:
 
     def _plan_rounds(self, at: int) -> None:
         """Paired rounds of segments, planned of equal length: as long as
-        :data:`SEGMENT_SECONDS` asks at the probe's transition, shortened (then fewer rounds, at least two) to stay within :data:`BUDGET`
-        of the iterations left; none if even that does not fit. The first segment runs
+        :data:`SEGMENT_SECONDS` asks at the probe's transition, shortened (then fewer
+        rounds, at least two) to stay within :data:`BUDGET` of the iterations left; none if even that does not fit. The first segment runs
         on the default route: sized from one probed transition, it may last far longer
         than asked (see :meth:`_shorten`), and there it costs nothing."""
         left = self.segments.num_warmup + self.segments.num_samples - at
         budget = BUDGET * left
-        n = max(1, math.ceil(SEGMENT_SECONDS / max(self._iteration_seconds, 1e-6)))
-        n = min(n, max(1, int(budget // (2 * ROUNDS))))
+        n = min(self._segment_length(), max(1, int(budget // (2 * ROUNDS))))
         rounds = ROUNDS
         while rounds >= 2 and 2 * rounds * n > budget:
             rounds -= 1
@@ -139,11 +138,15 @@ class Tuner:
         """Cut the segments still planned to what :data:`SEGMENT_SECONDS` asks at the
         slowest transition timed so far. NUTS's first transitions of a warmup can be one
         gradient each and the next ones thirty: sized from the probe alone, the demo's HMM
-        with four chains timed six transitions per segment, 11-18 s each instead of 0.4 s,
+        with four chains timed six transitions per segment, 7-18 s each instead of 0.4 s,
         and ran 450 gradients on the slower route (about 15 s of a 214 s run)."""
         self._iteration_seconds = max(self._iteration_seconds, per_iteration)
-        n = max(1, math.ceil(SEGMENT_SECONDS / self._iteration_seconds))
+        n = self._segment_length()
         self._plan = [(min(k, n), route) for k, route in self._plan]
+
+    def _segment_length(self) -> int:
+        """Transitions that last about :data:`SEGMENT_SECONDS` at the slowest timed so far."""
+        return max(1, math.ceil(SEGMENT_SECONDS / max(self._iteration_seconds, 1e-6)))
 
     def _finish(self) -> None:
         """Choose from what was timed and record it on every candidate site."""

@@ -103,6 +103,11 @@ def test_tiny_model_recommends_plain_numpyro():
     assert all(r.seconds > 0 for r in report.rows)  # still timed and reported
 
 
+def _plain_row(seconds):
+    return profile_module.ProfileRow("plain NumPyro", "plain", 1, "-", seconds, 1.0, None, None,
+                                     (), None)
+
+
 def _samples(rows):
     return {r.executor: [r.seconds, r.seconds] for r in rows}
 
@@ -115,9 +120,7 @@ def _samples(rows):
     ((3,), 9.5, False),      # 1.05x: under the margin
 ])
 def test_recommendation_from_injected_timings(blocks, executor_ms, recommended):
-    plain = profile_module.ProfileRow("plain NumPyro", "plain", 1, "-", 0.01, 1.0, None, None,
-                                      (), None)
-    rows = [plain, _row("ThreadExecutor(2)", executor_ms / 1e3, 0.01)]
+    rows = [_plain_row(0.01), _row("ThreadExecutor(2)", executor_ms / 1e3, 0.01)]
     sites = [dict(name=f"y{i}", rows=100 * b, block_rows=100, grainsize=None)
              for i, b in enumerate(blocks)]
     text, best = profile_module._recommend(rows, sites, _samples(rows))
@@ -131,9 +134,7 @@ def test_recommendation_from_injected_timings(blocks, executor_ms, recommended):
 
 
 def test_recommendation_needs_the_margin_in_the_fastest_round_too():
-    plain = profile_module.ProfileRow("plain NumPyro", "plain", 1, "-", 0.01, 1.0, None, None,
-                                      (), None)
-    rows = [plain, _row("ThreadExecutor(2)", 0.005, 0.01)]
+    rows = [_plain_row(0.01), _row("ThreadExecutor(2)", 0.005, 0.01)]
     sites = [dict(name="y", rows=1000, block_rows=100, grainsize=None)]
     samples = {"plain NumPyro": [0.01, 0.004], "ThreadExecutor(2)": [0.005, 0.0045]}
     text, best = profile_module._recommend(rows, sites, samples)
