@@ -71,11 +71,7 @@ def cli_cluster(folder, workers: int = 2):
     procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0",
                                       "--no-dashboard", "--scheduler-file", sched_file], **quiet)]
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(sched_file) and time.time() < deadline:
-            time.sleep(0.1)
-        with open(sched_file) as f:
-            address = json.load(f)["address"]
+        address = _scheduler_address(sched_file, procs[0], time.time() + 60)
         for _ in range(workers):
             procs.append(subprocess.Popen(
                 dask + ["worker", address, "--nthreads", "1", "--no-dashboard", "--no-nanny",
@@ -93,6 +89,20 @@ def cli_cluster(folder, workers: int = 2):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _scheduler_address(path, scheduler, deadline):
+    """The address the scheduler wrote to ``path``, once the file holds all of it: the
+    scheduler creates the file before it writes it (CI once read it empty)."""
+    while True:
+        try:
+            with open(path) as f:
+                return json.load(f)["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            if scheduler.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"dask scheduler (exit code {scheduler.poll()}) wrote no "
+                                   f"address to {path} within 60 s") from None
+            time.sleep(0.1)
 
 
 # -- runs in ArviZ's format, under either major ---------------------------------------------
