@@ -11,6 +11,13 @@ reference of parallel efficiency.
     python benchmarks/bench_nuts.py --dtype float32
     python benchmarks/bench_nuts.py --models hmm,newton,gp --rows 5000 --chains 1
     python benchmarks/bench_nuts.py --variants plain,thread,device,device_host --cpu-devices 2
+    python benchmarks/bench_nuts.py --models negbin --chains 4 --kernel hmc --num-steps 10
+
+``--kernel hmc`` runs HMC with a fixed number of leapfrog steps (step size and mass
+matrix adapted in warmup) instead of NUTS: every variant then evaluates exactly
+``--num-steps`` gradients per transition, every chain alike, so the milliseconds per
+gradient compare the evaluations alone, without NUTS's trees (whose lengths differ
+between variants once their draws part in the last bits).
 
 ``device`` is ``DeviceExecutor()`` and ``device_host`` ``DeviceExecutor(dispatch="host")``
 over every device of the process; with ``--cpu-devices N`` the script forces N host
@@ -57,11 +64,11 @@ def make_model(name, n, dtype, executor, data_as_args=False):
 
 
 def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_depth=10,
-            data_as_args=False):
+            data_as_args=False, kernel="nuts", num_steps=10):
     """Wall seconds of warmup + sampling (compilation included), and milliseconds per
     gradient in the sampling phase. Returns ``(seconds, ms_per_grad, grads, stats)``."""
     import jax
-    from numpyro.infer import MCMC, NUTS
+    from numpyro.infer import HMC, MCMC, NUTS
 
     from parallel_backend.plugins.numpyro.profile_nuts import StampedKernel
 
@@ -69,14 +76,16 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_dep
 
     if variant == "plain_1core":  # the ceiling reference: plain pinned to one core
         return _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth,
-                       data_as_args)
+                       data_as_args, kernel, num_steps)
     executor = {"plain": lambda: None, "serial": pb.SerialExecutor, "thread": pb.ThreadExecutor,
                 "thread_host": lambda: pb.ThreadExecutor(dispatch="host"),
                 "device": pb.DeviceExecutor,
                 "device_host": lambda: pb.DeviceExecutor(dispatch="host")}[variant]()
     model, args = make_model(name, n, dtype, executor, data_as_args)
-    kernel = StampedKernel(NUTS(model, max_tree_depth=max_tree_depth))
-    mcmc = MCMC(kernel, num_warmup=warmup, num_samples=samples, num_chains=chains,
+    inner = (HMC(model, num_steps=num_steps) if kernel == "hmc"
+             else NUTS(model, max_tree_depth=max_tree_depth))
+    stamped = StampedKernel(inner)
+    mcmc = MCMC(stamped, num_warmup=warmup, num_samples=samples, num_chains=chains,
                 chain_method="vectorized", progress_bar=False)
     t0 = time.perf_counter()
     mcmc.run(jax.random.PRNGKey(seed), *args, extra_fields=("num_steps",))
@@ -85,7 +94,7 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_dep
     grads = int(mcmc.get_extra_fields()["num_steps"].sum())
     # The sampling phase, timed from the end of warmup by the kernel's host timestamps
     # (a second run would compile again): its wall time over its leapfrog steps.
-    sampling, steps, _ = kernel.after(warmup)
+    sampling, steps, _ = stamped.after(warmup)
     ms_per_grad = sampling / max(steps, 1) * 1e3
     stats = executor.stats() if executor is not None else {}
     if executor is not None:
@@ -93,13 +102,14 @@ def run_one(name, n, dtype, variant, chains, warmup, samples, seed, max_tree_dep
     return seconds, ms_per_grad, grads, stats
 
 
-def _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth, data_as_args):
+def _pinned(name, n, dtype, chains, warmup, samples, seed, max_tree_depth, data_as_args,
+            kernel, num_steps):
     """``plain`` in a child process pinned to core 0 (``taskset``)."""
     import subprocess
 
     cmd = ["taskset", "-c", "0", sys.executable, os.path.abspath(__file__), "--one",
            json.dumps([name, n, np_name(dtype), "plain", chains, warmup, samples, seed,
-                       max_tree_depth, data_as_args])]
+                       max_tree_depth, data_as_args, kernel, num_steps])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     seconds, ms, grads = json.loads(out.strip().splitlines()[-1])
     return seconds, ms, grads, {}
@@ -125,6 +135,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tree-depth", type=int, default=10,
                     help="NUTS max_tree_depth for every variant (smaller: shorter runs)")
+    ap.add_argument("--kernel", default="nuts", choices=["nuts", "hmc"],
+                    help="hmc: fixed --num-steps leapfrog steps per transition (the same "
+                         "gradient count for every variant)")
+    ap.add_argument("--num-steps", type=int, default=10, help="leapfrog steps of --kernel hmc")
     ap.add_argument("--json", default=None)
     ap.add_argument("--data-as-args", action="store_true",
                     help="pass the data to MCMC.run as the model's argument (traced), "
@@ -144,10 +158,10 @@ def main(argv=None):
     import numpy as np
 
     if args.one:  # one plain run, for plain_1core's child process
-        name, n, dtype, variant, chains, warmup, samples, seed, depth, as_args = json.loads(
-            args.one)
+        (name, n, dtype, variant, chains, warmup, samples, seed, depth, as_args, kernel,
+         steps) = json.loads(args.one)
         s, ms, grads, _ = run_one(name, n, np.dtype(dtype), variant, chains, warmup, samples, seed,
-                                  depth, as_args)
+                                  depth, as_args, kernel, steps)
         print(json.dumps([s, ms, grads]))
         return
     cores = len(os.sched_getaffinity(0))
@@ -169,7 +183,8 @@ def bench_one(args, name, n, chains, cores):
             s, ms, grads, stats = run_one(name, n, np.dtype(args.dtype), v, chains,
                                           args.warmup, args.samples, seed=rep,
                                           max_tree_depth=args.max_tree_depth,
-                                          data_as_args=args.data_as_args)
+                                          data_as_args=args.data_as_args,
+                                          kernel=args.kernel, num_steps=args.num_steps)
             times[v].append(s)
             per_grad[v].append(ms)
             info[v] = dict(grads=grads, sites=stats.get("sites"))
@@ -179,7 +194,8 @@ def bench_one(args, name, n, chains, cores):
     ratios = " ".join(f"{k}={base / v:.2f}x" for k, v in med.items() if base and k != "plain")
     gratios = " ".join(f"{k}={mbase / v:.2f}x" for k, v in ms.items() if mbase and k != "plain")
     data = "args" if args.data_as_args else "closed"
-    print(f"{name:9s} N={n:,} {args.dtype} chains={chains} data={data} cores={cores} "
+    kernel = "nuts" if args.kernel == "nuts" else f"hmc{args.num_steps}"
+    print(f"{name:9s} N={n:,} {args.dtype} chains={chains} data={data} {kernel} cores={cores} "
           f"plain={base:.1f}s "
           f"wall: {ratios} | ms/grad plain={mbase:.2f}: {gratios}", flush=True)
     if args.json:
@@ -187,6 +203,7 @@ def bench_one(args, name, n, chains, cores):
             fh.write(json.dumps(dict(model=name, n=n, dtype=args.dtype, chains=chains,
                                      warmup=args.warmup, samples=args.samples,
                                      max_tree_depth=args.max_tree_depth, data=data,
+                                     kernel=kernel,
                                      cores=cores, devices=len(jax.devices()), seconds=med,
                                      ms_per_grad=ms, info=info)) + "\n")
 
