@@ -1,4 +1,4 @@
-"""NUTS wall time, warmup included: plain NumPyro against pb.factor on each executor.
+"""NUTS (or fixed-step HMC) wall time, warmup included: plain NumPyro against pb.factor.
 
 Same model, data and seed for every variant; 1 chain and 4 vectorized chains.
 Reports the median of ``--repeats`` runs and the ratio to plain (> 1: faster), and

@@ -117,9 +117,10 @@ class Tuner:
     def _plan_rounds(self, at: int) -> None:
         """Paired rounds of segments, planned of equal length: as long as
         :data:`SEGMENT_SECONDS` asks at the probe's transition, shortened (then fewer
-        rounds, at least two) to stay within :data:`BUDGET` of the iterations left; none if even that does not fit. The first segment runs
-        on the default route: sized from one probed transition, it may last far longer
-        than asked (see :meth:`_shorten`), and there it costs nothing."""
+        rounds, at least two) to stay within :data:`BUDGET` of the iterations left; none
+        if even that does not fit. The first segment runs on the default route: sized
+        from one probed transition, it may last far longer than asked (see
+        :meth:`_shorten`), and there it costs nothing."""
         left = self.segments.num_warmup + self.segments.num_samples - at
         budget = BUDGET * left
         n = min(self._segment_length(), max(1, int(budget // (2 * ROUNDS))))
