@@ -1,8 +1,9 @@
-"""A looped site under ``vmap``: one parameter set at a time.
+"""A site under ``vmap`` (vectorized chains): how a batch of parameter sets is evaluated.
 
-This module owns :func:`one_set_at_a_time`, the ``custom_vmap`` that keeps a looped
-site (``fn`` holds a ``scan``; see :mod:`.forms`) from being batched over the
-parameter sets of vectorized chains. Imports jax only.
+This module owns :func:`set_batching`, the ``custom_vmap`` that decides it: a looped
+site (``fn`` holds a ``scan``; see :mod:`.forms`) evaluates one parameter set at a
+time; a batched site evaluates the whole batch with the sets inside its blocks (see
+:mod:`.sets`), on every route. Imports jax only.
 """
 
 from __future__ import annotations
@@ -13,17 +14,26 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from .dispatch import GRAPH, HOST
+from .sets import nest_sets
 
-__all__ = ["one_set_at_a_time"]
+__all__ = ["set_batching"]
 
 
-def one_set_at_a_time(routed, host, counted, route):
-    """The partials of a looped site that, under ``vmap`` (vectorized chains), evaluate
-    ``fn`` on one parameter set at a time instead of batching it over the sets.
+def set_batching(routed, host, graph, counted, route, form):
+    """The partials of a site that, under ``vmap`` (vectorized chains), evaluate a
+    looped site on one parameter set at a time and a batched site with the sets
+    inside the blocks, on every route.
 
     ``routed(count)`` gives the site's unbatched partials on ``route`` (or where the
     traced choice says when ``route`` is ``None``), the graph's passed through
-    ``count``; ``host`` the host path's; ``counted`` adds the graph counter.
+    ``count``; ``host`` the host path's; ``graph(traced, shared, dt, ds, set_axes)`` the
+    graph path's, batched; ``counted`` adds the graph counter; ``form`` is the site's.
+
+    A batched site's batch is one evaluation of every set, its blocks with the sets
+    inside (see :mod:`.sets`), on the graph as on the host path (whose chunk programs
+    lay it out the same way), so a set's bits do not depend on the route. A per-set
+    choice (a ``vmap`` over choices, as a user's chain transform may make) maps over
+    the sets, each unbatched.
 
     The looped form runs one block's ``scan`` per loop iteration: batched over four
     chains, the HMM's blocks took 4.7 times one chain's time (3,000 sequences, 0.67x
@@ -45,6 +55,7 @@ def one_set_at_a_time(routed, host, counted, route):
             @each.def_vmap
             def rule(size, in_batched, t, s, c):
                 bt, bs, bc = in_batched
+                axes = (tuple(0 if b else None for b in bt), tuple(0 if b else None for b in bs))
                 flat, tree = jax.tree_util.tree_flatten((t, s))
                 batched = jax.tree_util.tree_leaves((bt, bs))
 
@@ -57,13 +68,15 @@ def one_set_at_a_time(routed, host, counted, route):
 
                     return lax.map(one, [x for x, b in zip(flat, batched) if b] + list(extra))
 
-                def on_graph():  # through ``each``: an outer vmap level maps again
+                def on_graph():
+                    if form == "batched":  # an outer vmap level joins the sets
+                        return count(nest_sets(lambda t1, s1, ax: graph(t1, s1, dt, ds, ax),
+                                               axes)(t, s))
+                    # Through ``each``: an outer vmap level maps again.
                     graph_choice = None if route is not None else jnp.int32(GRAPH)
                     return count(per_set(lambda t1, s1: uncounted(t1, s1, graph_choice)))
 
                 def on_host():
-                    axes = (tuple(0 if b else None for b in bt),
-                            tuple(0 if b else None for b in bs))
                     return jax.vmap(lambda t1, s1: host(t1, s1, dt, ds), in_axes=axes)(t, s)
 
                 if route == "host":

@@ -38,6 +38,7 @@ from .executors.registry import resolve_executor
 from .internals import is_tracer
 from .host import ChunkResult, Evaluation, run_chunk
 from .site import Resident, SiteState, run_eagerly
+from .sets import block_axis, unblock
 from .spec import Program, SiteSpec, host_device, pad_blocks
 
 __all__ = [
@@ -46,5 +47,5 @@ __all__ = [
     "run_chunk", "even_slots", "split_tiles", "chunks_within", "site_stats", "resolve_executor",
     "host_device", "run_eagerly", "pad_blocks", "cpu_count", "xla_threads", "row_bytes",
     "check_count", "GRAPH", "HOST", "Slots", "carried", "choose", "Choice",
-    "is_tracer",
+    "is_tracer", "block_axis", "unblock",
 ]

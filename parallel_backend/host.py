@@ -156,7 +156,7 @@ def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) 
 def _looped(program: Program, resident, chunk: Chunk, ev: Evaluation, last: bool):
     """A looped chunk: one call of the unbatched program, or one per parameter set of a
     batch (``vmap``): a set's partials are then the bits of the unbatched program, as
-    in the graph path (see :func:`.batching.one_set_at_a_time`)."""
+    in the graph path (see :func:`.batching.set_batching`)."""
     a, b = chunk.first, chunk.first + chunk.count
     fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, None, last)
 

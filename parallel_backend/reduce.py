@@ -20,7 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import host
 from .internals import is_tracer
 from .blocks import TilePlan, balance_blocks, looped_blocks, plan_blocks, plan_tiles, row_bytes
-from .batching import one_set_at_a_time
+from .batching import set_batching
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
@@ -209,8 +209,10 @@ def _reduce(state, executor, grainsize, route):
 
         return partials
 
-    partials = (one_set_at_a_time(routed, host, counted, route) if state.spec.form == "looped"
-                else routed(counted))
+    def graph(traced, shared, dt, ds, set_axes):  # a batch of parameter sets, under vmap
+        return executor.graph_partials(state, traced, shared, dt, ds, set_axes)
+
+    partials = set_batching(routed, host, graph, counted, route, state.spec.form)
 
     def run(traced, shared, choice, dt, ds):
         # A barrier on the way out, on every route: without it XLA fused the caller's use

@@ -5,11 +5,8 @@ This module owns :class:`SiteSpec`, the picklable description of one call site
 the evaluation form, precision), and :class:`Program`, what a spec computes in one
 process: the hoisted split of ``fn`` (:mod:`.hoist`), the data prepared once per
 site (padded into blocks, with the residuals), and the pure functions that turn
-blocks into per-block partials. Imports jax, numpy and the core's blocks and
-hoist modules.
-
-Two evaluation forms, ``"batched"`` and ``"looped"``, are chosen from ``fn`` alone
-(see :mod:`.forms`).
+blocks into per-block partials. Imports jax, numpy and the core's blocks, hoist and
+sets modules. Two evaluation forms are chosen from ``fn`` alone (see :mod:`.forms`).
 
 Every block has ``block_rows`` rows; the last is padded with copies of the last
 row, and a mask keeps the padding out of the value and of every gradient (in the
@@ -18,6 +15,7 @@ batched form only that block is masked, evaluated after the others).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from typing import Any, NamedTuple
@@ -30,6 +28,7 @@ from jax import lax
 from .blocks import BlockPlan, TilePlan, tree_sum
 from .forms import blocks_pool
 from .hoist import Split, known_function, split_known, unknown_function
+from .sets import block_axis, over_blocks, take_blocks, unblock
 
 __all__ = ["SiteSpec", "Program", "Partials", "combine", "pad_blocks", "host_device"]
 
@@ -236,27 +235,35 @@ class Program:
         return Partials(total(pointwise), tuple(gs), tuple(gt))
 
     def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-                masked: bool = False, tail=None) -> Partials:
+                masked: bool = False, tail=None, set_axes=None) -> Partials:
         """Every block of the given arrays (leading axis: blocks) in one ``vmap``, each
         ``masked`` or none; then, with ``tail`` (the padded last block's ``(prepared,
-        traced, valid)``, each with a leading axis of one block), that block alone,
-        masked, after them.
+        traced, valid)``, an axis of one block each), that block alone, masked, after them.
+        ``set_axes``: a batch of parameter sets, inside the blocks (see
+        :func:`.sets.over_blocks`); the outputs then lead with the sets.
 
         Only a padded block needs the mask, and the mask costs: the ``where`` that keeps
         padding out kept XLA from fusing the values into their sum (logistic regression,
-        10,000 rows: 0.74x plain with every block masked, 0.95x without). The padded
-        block comes as arrays of its own (sliced once, not per evaluation).
+        10,000 rows: 0.74x plain with every block masked, 0.95x without).
         """
         self.traces[("batched", int(valid.shape[0]), masked, tail is not None)] += 1
 
         def run(p, t, v, m):
-            return jax.vmap(lambda p, t, v: self._block(p, t, shared, v, diff_traced,
-                                                        diff_shared, m))(tuple(p), tuple(t), v)
+            block = functools.partial(self._block, diff_traced=diff_traced,
+                                      diff_shared=diff_shared, masked=m)
+            return over_blocks(block, p, t, shared, v, set_axes)
 
         out = run(prepared, traced, valid, masked)
         if tail is None:
             return out
-        return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, run(*tail, True))
+
+        def last():  # after the others where two kernels at once hang XLA's pool (.forms;
+            return run(*tail, True)  # gp, 200,000 groups): a cond on them waits, a barrier not
+
+        done = out.values.ravel()[-1]
+        last = lax.cond(done == done, last, last) if self.blocks_pool else last()
+        axis = 0 if set_axes is None else 1
+        return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
 
     def looped(self, prepared, traced, shared, valid, first, count, length,
                diff_traced, diff_shared) -> Partials:
@@ -285,9 +292,11 @@ class Program:
 
     # -- the graph path: all blocks inside the caller's program --------------------
 
-    def graph_partials(self, prepared, traced, shared, diff_traced, diff_shared):
+    def graph_partials(self, prepared, traced, shared, diff_traced, diff_shared,
+                       set_axes=None):
         """Partials of every block inside the caller's XLA program: per-block values
-        and shared gradients, per-row data gradients (``N`` rows).
+        and shared gradients, per-row data gradients (``N`` rows); with ``set_axes``
+        (the batched form only) for each parameter set of a batch, leading.
 
         A nested ``jit``: inside the caller's ``jit`` it is inlined; called eagerly it is
         still compiled as one program (op-by-op execution would round differently).
@@ -298,41 +307,43 @@ class Program:
         # caller's program, so XLA copies nothing per evaluation.
         tail = tuple(x[-1:] for x in prepared) if split else ()
         head = tuple(x[:-1] for x in prepared) if split else prepared
-        return self._graph_fn(tuple(diff_traced), tuple(diff_shared))(
+        return self._graph_fn(tuple(diff_traced), tuple(diff_shared), set_axes)(
             head, tail, tuple(traced), tuple(shared))
 
-    def _graph_fn(self, diff_traced, diff_shared):
-        key = ("graph", diff_traced, diff_shared)
-        fn = self._compiled.get(key)
-        if fn is not None:
-            return fn
+    def _graph_fn(self, diff_traced, diff_shared, set_axes):
+        key = ("graph", diff_traced, diff_shared, set_axes)
+        if key in self._compiled:
+            return self._compiled[key]
         plan = self.spec.plan
+        assert set_axes is None or self.spec.form == "batched", "looped sets run one at a time"
+        axes_t = set_axes[0] if set_axes else (None,) * self.spec.n_traced
 
         def graph(prepared, prepared_tail, traced, shared):
-            traced = tuple(pad_blocks(t, plan, xp=jnp) for t in traced)
+            traced = tuple(pad_blocks(t, plan, block_axis(a), jnp) for t, a in zip(traced, axes_t))
             # The barrier makes the inputs as opaque as they are to a host program: XLA may
             # neither fold the data into fn's code nor fuse the caller's computation of a
-            # parameter (exp(log_sigma), say) into a block, either of which would change
-            # the rounding.
-            # Data and parameters behind separate barriers: one over both cost (negbin,
-            # float64, 10,000 rows: 0.77x plain with one barrier, 0.93x with two).
+            # parameter (exp(log_sigma), say) into a block: either would change the rounding.
+            # Data and parameters apart: one barrier over both cost (negbin, float64, 10,000
+            # rows: 0.77x plain, 0.93x with two).
             prepared, prepared_tail, valid = lax.optimization_barrier(
                 (prepared, prepared_tail, jnp.asarray(self.valid)))
             traced, shared = lax.optimization_barrier((traced, shared))
             if self.spec.form == "batched":
                 tail = None
                 if self.spec.tiles.tail:
-                    tail = (prepared_tail, tuple(t[-1:] for t in traced), valid[-1:])
-                    traced, valid = tuple(t[:-1] for t in traced), valid[:-1]
+                    tail = (prepared_tail, take_blocks(traced, axes_t, -1, None), valid[-1:])
+                    traced, valid = take_blocks(traced, axes_t, None, -1), valid[:-1]
                 out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                   tail=tail)
+                                   tail=tail, set_axes=set_axes)
             else:
                 first, count = lax.optimization_barrier((jnp.int32(0), jnp.int32(plan.n_blocks)))
                 out = self.looped(prepared, traced, shared, valid, first, count, plan.n_blocks,
                                   diff_traced, diff_shared)
             # ...and on the way out: the caller's use of the partials is not fused into them.
             out = lax.optimization_barrier(out)
-            return out.values, out.shared_grads, tuple(_unblock(g, plan) for g in out.data_grads)
+            lead = 0 if set_axes is None else 1
+            return out.values, out.shared_grads, tuple(unblock(g, plan.n_rows, lead)
+                                                      for g in out.data_grads)
 
         fn = jax.jit(graph)
         with self._lock:
@@ -348,30 +359,27 @@ class Program:
         ``f(prepared, traced, shared, valid, tail)`` with that block's arrays apart (see
         :meth:`batched`). ``looped``: ``f(prepared, traced, shared, valid, first, count)``
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
-        vmap axes of ``(traced, shared)`` under a batch of parameter sets, or ``None``
-        (always for the looped form: see :func:`.batching.one_set_at_a_time`).
+        vmap axes of ``(traced, shared)`` under a batch of parameter sets, mapped inside
+        the blocks as in the graph path, or ``None`` (always for the looped form: see
+        :func:`.batching.set_batching`).
         """
         split = last and self.spec.tiles.tail
         key = (blocks, diff_traced, diff_shared, in_axes, split)
-        fn = self._compiled.get(key)
-        if fn is not None:
-            return fn
+        if key in self._compiled:
+            return self._compiled[key]
+        assert in_axes is None or self.spec.form != "looped", "a looped site runs one set at a time"
         if split:
             def run(prepared, traced, shared, valid, tail):
                 return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                    tail=tail)
+                                    tail=tail, set_axes=in_axes)
         elif self.spec.form == "batched":
             def run(prepared, traced, shared, valid):
-                return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared)
+                return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
+                                    set_axes=in_axes)
         else:
             def run(prepared, traced, shared, valid, first, count):
                 return self.looped(prepared, traced, shared, valid, first, count, blocks,
                                    diff_traced, diff_shared)
-        if in_axes is not None:  # a batch of parameter sets: prepared data is shared
-            assert self.spec.form != "looped", "a looped site runs one set at a time"
-            rest = ((None, in_axes[0], None),) if split else ()
-            axes = (None, in_axes[0], in_axes[1], None) + rest
-            run = jax.vmap(run, in_axes=axes)
         fn = jax.jit(run)
         with self._lock:
             return self._compiled.setdefault(key, fn)
@@ -380,13 +388,6 @@ class Program:
 def _merge(full, subset, mask):
     it = iter(subset)
     return tuple(next(it) if m else x for x, m in zip(full, mask))
-
-
-def _unblock(g, plan: BlockPlan):
-    """``(*batch, blocks, block_rows, *rest)`` per-row gradients back to ``(*batch, N, *rest)``.
-    In the graph (unbatched here: vmap adds batch axes outside)."""
-    g = g.reshape((g.shape[0] * g.shape[1],) + g.shape[2:])
-    return g[:plan.n_rows]
 
 
 _HOST = []

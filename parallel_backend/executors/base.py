@@ -78,14 +78,16 @@ class Executor:
         """
         return [state.run_chunk(c, evaluation) for c in chunks]
 
-    def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared):
+    def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
+                       set_axes=None):
         """Per-block partials computed inside the caller's XLA program (no callback).
 
         Called while tracing. The default evaluates every block in place; an
-        executor that maps blocks over devices overrides it.
+        executor that maps blocks over devices overrides it. ``set_axes``: a batch of
+        parameter sets (see :func:`parallel_backend.sets.over_blocks`).
         """
         return state.program.graph_partials(state.prepared(), traced, shared, diff_traced,
-                                            diff_shared)
+                                            diff_shared, set_axes)
 
     def map(self, func, items) -> list:
         """``[func(item) for item in items]`` on this executor's workers, in order.

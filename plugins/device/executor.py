@@ -31,8 +31,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import ThreadExecutor
-from parallel_backend.extend import (Executor, is_tracer, Resident, chunks_within, even_slots, pad_blocks,
-                                     run_chunk, run_eagerly)
+from parallel_backend.extend import (Executor, is_tracer, Resident, block_axis, chunks_within,
+                                     even_slots, pad_blocks, run_chunk, run_eagerly, unblock)
 
 from .layout import DeviceLayout, device_layout, spread_blocks
 
@@ -217,12 +217,14 @@ class DeviceExecutor(Executor):
                 placed = self._placed[id(state)] = (state, layout, arrays[:-1], arrays[-1])
         return placed[1:]
 
-    def graph_partials(self, state, traced, shared, diff_traced, diff_shared):
+    def graph_partials(self, state, traced, shared, diff_traced, diff_shared, set_axes=None):
         """Per-block partials of all blocks, inside the caller's program.
 
         With ``dispatch="graph"`` each device evaluates its own blocks in a
         ``shard_map``; otherwise (and inside ``pmap``) the blocks are evaluated in
-        place, as ``SerialExecutor`` evaluates them.
+        place, as ``SerialExecutor`` evaluates them. ``set_axes``: a batch of parameter
+        sets, mapped inside each device's blocks as everywhere (the block axis leads
+        between devices).
         """
         self.check_open()
         traced, shared = tuple(traced), tuple(shared)
@@ -232,11 +234,16 @@ class DeviceExecutor(Executor):
                                               sum(_nbytes(t) for t in traced),
                                               self.layout(state).active if mapped else 1)
         if not mapped:
-            return super().graph_partials(state, traced, shared, diff_traced, diff_shared)
+            return super().graph_partials(state, traced, shared, diff_traced, diff_shared,
+                                          set_axes)
         program, plan = state.program, state.spec.plan
         layout, prepared, valid = self._place(state)
-        traced_blocks = tuple(spread_blocks(pad_blocks(t, plan, xp=jnp), layout, jnp)
-                              for t in traced)
+        axes_t = set_axes[0] if set_axes else (None,) * len(traced)
+        # Blocks first (a set axis after them) to be split over the devices.
+        traced_blocks = tuple(
+            spread_blocks(jnp.moveaxis(pad_blocks(t, plan, block_axis(a), jnp), block_axis(a), 0),
+                          layout, jnp) for t, a in zip(traced, axes_t))
+        lead = 0 if set_axes is None else 1
 
         def run(prepared, traced, shared, valid):
             # The same barrier as the serial graph path: XLA may neither specialise fn on
@@ -244,9 +251,11 @@ class DeviceExecutor(Executor):
             prepared, traced, shared, valid = lax.optimization_barrier(
                 (prepared, traced, shared, valid))
             if state.spec.form == "batched":
+                traced = tuple(jnp.moveaxis(t, 0, block_axis(a)) for t, a in zip(traced, axes_t))
                 # SPMD: the same program on every device, so every block is masked.
                 out = program.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                      masked=True)
+                                      masked=True, set_axes=set_axes)
+                out = jax.tree.map(lambda x: jnp.moveaxis(x, lead, 0), out)
             else:
                 me = lax.axis_index(AXIS)
                 count = jnp.clip(layout.n_blocks - me * layout.per_device, 0, layout.per_device)
@@ -261,11 +270,9 @@ class DeviceExecutor(Executor):
                                           in_specs=(spec, spec, PartitionSpec(), spec),
                                           out_specs=spec, check_vma=False))
         out = mapped_fn(prepared, traced_blocks, shared, valid)
-        n = plan.n_blocks
-        values = out.values[:n]
-        g_shared = tuple(g[:n] for g in out.shared_grads)
-        g_data = tuple(g[:n].reshape((n * plan.block_rows,) + g.shape[2:])[:plan.n_rows]
-                       for g in out.data_grads)
+        out = jax.tree.map(lambda x: jnp.moveaxis(x[:plan.n_blocks], 0, lead), out)
+        values, g_shared = out.values, tuple(out.shared_grads)
+        g_data = tuple(unblock(g, plan.n_rows, lead) for g in out.data_grads)
         result = (values, g_shared, g_data)
         if not any(is_tracer(x) for x in jax.tree.leaves(result)):
             # Called eagerly (no jit): hand back uncommitted arrays on the default

@@ -297,3 +297,27 @@ def test_both_routes_in_one_program_give_the_same_bits(scan_data):
         for x, y in zip(jax.tree.leaves(vmapped(a, jnp.full(8, GRAPH, jnp.int32))),
                         jax.tree.leaves(vmapped(a, jnp.full(8, HOST, jnp.int32)))):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("fn", [hmm_like, elementwise], ids=["looped", "batched"])
+def test_a_choice_per_set_evaluates_each_set_alone(scan_data, fn):
+    """Under a ``vmap`` that batches the choices too (a chain transform of the user's may),
+    every set runs where its own choice says, unbatched: its bits are those it gets
+    alone, whichever route each set took."""
+    # A batched site gets a choice where the host can split it: more than one tile.
+    data = scan_data if fn is hmm_like else jnp.linspace(-2.0, 2.0, 40_000, dtype=jnp.float32)
+    rows = None if fn is hmm_like else 2_500
+    with pb.ThreadExecutor(2) as ex:
+        def loss(a, choices):
+            with carried(Slots(choices)):
+                return pb.reduce_sum(fn, data, a, executor=ex, block_rows=rows)
+
+        alone = jax.jit(jax.value_and_grad(loss))
+        a = jnp.array([0.3, 0.5, 0.7])
+        mixed = jnp.array([[GRAPH] * 8, [HOST] * 8, [GRAPH] * 8], jnp.int32)
+        got = jax.jit(jax.vmap(jax.value_and_grad(loss)))(a, mixed)
+        assert ex.stats()["host_calls"] == 1
+        for i in range(3):
+            want = alone(a[i], jnp.full(8, GRAPH, jnp.int32))
+            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(x)[i], np.asarray(y))
