@@ -14,6 +14,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from .dispatch import GRAPH, HOST
+from .internals import is_tracer
 from .sets import nest_sets
 
 __all__ = ["set_batching"]
@@ -70,8 +71,8 @@ def set_batching(routed, host, graph, counted, route, form):
 
                 def on_graph():
                     if form == "batched":  # an outer vmap level joins the sets
-                        return count(nest_sets(lambda t1, s1, ax: graph(t1, s1, dt, ds, ax),
-                                               axes)(t, s))
+                        return nest_sets(lambda t1, s1, ax: graph(t1, s1, dt, ds, ax),
+                                         axes)(t, s)
                     # Through ``each``: an outer vmap level maps again.
                     graph_choice = None if route is not None else jnp.int32(GRAPH)
                     return count(per_set(lambda t1, s1: uncounted(t1, s1, graph_choice)))
@@ -91,7 +92,18 @@ def set_batching(routed, host, graph, counted, route, form):
 
             return each
 
+        if not any(is_tracer(x) for x in jax.tree_util.tree_leaves((traced, shared, choice))):
+            # Called eagerly, outside any vmap: the unbatched partials, as they are.
+            return routed(counted)(traced, shared, choice, dt, ds)
         uncounted = make(lambda out: out)
-        return make(counted)(traced, shared, choice)
+        if form == "looped":
+            return make(counted)(traced, shared, choice)
+        # A batched site counts outside the custom_vmap: under it, the counter's callback
+        # beside a DeviceExecutor's shard_map failed to lower ("Cannot convert
+        # GSPMDSharding into SdyArray"). Under vmap it counts a call of every set.
+        out = uncounted(traced, shared, choice)
+        if route is not None:
+            return counted(out) if route == "graph" else out
+        return lax.cond(choice == HOST, lambda o: o, counted, out)
 
     return wrapped
