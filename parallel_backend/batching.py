@@ -93,14 +93,15 @@ def set_batching(routed, host, graph, counted, route, form):
             return each
 
         if not any(is_tracer(x) for x in jax.tree_util.tree_leaves((traced, shared, choice))):
-            # Called eagerly, outside any vmap: the unbatched partials, as they are.
+            # Called eagerly, outside any vmap: the unbatched partials, as they are (through
+            # the custom_vmap, a DeviceExecutor's shard_map with count_calls=True failed to
+            # lower: "Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
             return routed(counted)(traced, shared, choice, dt, ds)
         uncounted = make(lambda out: out)
         if form == "looped":
             return make(counted)(traced, shared, choice)
-        # A batched site counts outside the custom_vmap: under it, the counter's callback
-        # beside a DeviceExecutor's shard_map failed to lower ("Cannot convert
-        # GSPMDSharding into SdyArray"). Under vmap it counts a call of every set.
+        # A batched site counts where it did before it had a custom_vmap: outside it, the
+        # counter's callback batched by vmap (a call of every set).
         out = uncounted(traced, shared, choice)
         if route is not None:
             return counted(out) if route == "graph" else out
