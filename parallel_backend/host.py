@@ -28,6 +28,7 @@ import numpy as np
 from .blocks import TilePlan, xla_threads
 from .chunking import Chunk, fixed_chunks
 from .errors import ChunkError
+from .sets import block_axis, take_blocks
 from .spec import Program, pad_blocks
 
 __all__ = ["Evaluation", "ChunkResult", "evaluate", "run_chunk", "assemble", "unbatch",
@@ -65,7 +66,7 @@ class Evaluation(NamedTuple):
         """The traced leaves' blocks ``[a, b)`` (absolute block numbers)."""
         axes = self.in_axes[0] if self.in_axes is not None else (None,) * len(self.traced)
         lo, hi = a - self.first, b - self.first
-        return tuple(x[:, lo:hi] if ax == 0 else x[lo:hi] for x, ax in zip(self.traced, axes))
+        return take_blocks(self.traced, axes, lo, hi)
 
     def restrict(self, a: int, b: int) -> "Evaluation":
         """The same evaluation with only blocks ``[a, b)`` of the traced leaves (what a
@@ -216,7 +217,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     t0 = time.perf_counter()
     traced, shared, in_axes, batch_shape = unbatch(traced, shared, orig_ndims)
     axes_t = in_axes[0] if in_axes is not None else (None,) * len(traced)
-    blocked = tuple(pad_blocks(np.asarray(t), plan, axis=1 if ax == 0 else 0)
+    blocked = tuple(pad_blocks(np.asarray(t), plan, axis=block_axis(ax))
                     for t, ax in zip(traced, axes_t))
     # numpy, not the callback's jax arrays: those are committed to the caller's device,
     # and a chunk may run on another (a DeviceExecutor's).

@@ -193,24 +193,24 @@ def _reduce(state, executor, grainsize, route):
     def host(traced, shared, dt, ds):
         return _host_partials(state, executor, grainsize, traced, shared, dt, ds)
 
+    def graph(traced, shared, dt, ds, set_axes=None):  # set_axes: a batch, under vmap
+        return executor.graph_partials(state, traced, shared, dt, ds, set_axes)
+
     def routed(count):
         """The partials on ``route`` (or where ``choice`` says), the graph's through
         ``count``."""
 
         def partials(traced, shared, choice, dt, ds):
-            def graph():
-                return count(executor.graph_partials(state, traced, shared, dt, ds))
+            def on_graph():
+                return count(graph(traced, shared, dt, ds))
 
             if route == "host":
                 return host(traced, shared, dt, ds)
             if route == "graph":
-                return graph()
-            return lax.cond(choice == HOST, lambda: host(traced, shared, dt, ds), graph)
+                return on_graph()
+            return lax.cond(choice == HOST, lambda: host(traced, shared, dt, ds), on_graph)
 
         return partials
-
-    def graph(traced, shared, dt, ds, set_axes):  # a batch of parameter sets, under vmap
-        return executor.graph_partials(state, traced, shared, dt, ds, set_axes)
 
     partials = set_batching(routed, host, graph, counted, route, state.spec.form)
 

@@ -260,7 +260,7 @@ class Program:
         def last():  # after the others where two kernels at once hang XLA's pool (.forms;
             return run(*tail, True)  # gp, 200,000 groups): a cond on them waits, a barrier not
 
-        done = out.values.ravel()[-1]
+        done = out.values.ravel()[-1] if self.blocks_pool else None
         last = lax.cond(done == done, last, last) if self.blocks_pool else last()
         axis = 0 if set_axes is None else 1
         return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
