@@ -48,6 +48,9 @@ def main(argv=None):
     ap.add_argument("--form", default=None, choices=["batched", "looped"],
                     help="force every site's evaluation form (to compare forms; the "
                          "package picks it from fn's jaxpr)")
+    ap.add_argument("--looped-rows", type=int, default=0,
+                    help="rows per block of the looped form (float32; to compare block sizes, "
+                         "the package's rule is blocks.looped_blocks)")
     ap.add_argument("--dask-workers", type=int, default=0,
                     help="also time DaskExecutor on a local cluster of this many worker processes")
     args = ap.parse_args(argv)
@@ -55,6 +58,13 @@ def main(argv=None):
         import parallel_backend.reduce as reduce_module
 
         reduce_module.detect_form = lambda closed, form=args.form: form
+
+    if args.looped_rows:
+        import parallel_backend.blocks as blocks_module
+
+        blocks_module.LOOPED_BYTES = args.looped_rows * 4
+        blocks_module.LOOPED_MIN_ROWS = args.looped_rows
+        blocks_module.YNN_REDUCE = 2 ** 62  # no cap from fn's reductions
 
     import jax
 

@@ -179,10 +179,24 @@ LOOPED_MIN_BLOCKS = 8
 LOOPED_MIN_ROWS = 500
 
 
-def looped_blocks(n_rows: int, itemsize: int = 4) -> BlockPlan:
+#: XLA:CPU (jaxlib 0.10.2 and 0.12.0.1) hands a reduction (sum, max, min) that reads at
+#: least this many elements to YNNPACK, a call that costs far more than the reduction
+#: inside a ``scan``'s step: an HMM's ``logsumexp`` over ``(rows, states, states)`` per
+#: step at 4 states ran 5.5 ms per 1,000 sequences in blocks of 200-250 rows and 7.6-8.5
+#: in blocks of 300-1,000 (value and gradient, one core, Intel Xeon; the same step at 2,
+#: 3 and 6 states, float32 and float64, on jax 0.10 and 0.12: wherever rows times 4, 9
+#: or 36 passed 4,096). A looped block stays below it where ``fn``'s scan reduces.
+YNN_REDUCE = 4096
+#: ...but never fewer rows than this (each block costs a loop iteration).
+LOOPED_FLOOR_ROWS = 48
+
+
+def looped_blocks(n_rows: int, itemsize: int = 4, reduce_per_row: float = 0.0) -> BlockPlan:
     """The default block plan of a looped evaluation: blocks of about
     :data:`LOOPED_BYTES` per value (``itemsize``: bytes of the log-density's dtype),
-    at least :data:`LOOPED_MIN_BLOCKS` of them where that
+    and of fewer rows than keep the largest reduction in ``fn``'s ``scan`` (reading
+    ``reduce_per_row`` elements per row) under :data:`YNN_REDUCE`, at least
+    :data:`LOOPED_MIN_BLOCKS` of them where that
     leaves :data:`LOOPED_MIN_ROWS` rows each, all of one size where the count divides
     ``N`` (else multiples of ``ROW_ALIGN``), and never a power of two (whose strides
     measured slower: 2,048 rows 0.88x-0.95x where 2,000 ran 0.96x-1.00x).
@@ -199,15 +213,30 @@ def looped_blocks(n_rows: int, itemsize: int = 4) -> BlockPlan:
     BlockPlan(n_rows=700, block_rows=700, n_full=1, tail_rows=0)
     >>> looped_blocks(10_000, itemsize=8).block_rows
     1000
+    >>> looped_blocks(50_000, reduce_per_row=16)  # an HMM of 4 states
+    BlockPlan(n_rows=50000, block_rows=250, n_full=200, tail_rows=0)
+    >>> looped_blocks(16_384, reduce_per_row=16)
+    BlockPlan(n_rows=16384, block_rows=240, n_full=68, tail_rows=64)
+    >>> looped_blocks(3_000, reduce_per_row=16).block_rows
+    250
     """
     most = max(LOOPED_BYTES // max(int(itemsize), 1), 1)
+    cap = None
+    if reduce_per_row > 0:
+        cap = max(int((YNN_REDUCE - 1) // reduce_per_row), LOOPED_FLOOR_ROWS)
+        most = min(most, cap)
     n = max(-(-n_rows // most), min(LOOPED_MIN_BLOCKS, n_rows // LOOPED_MIN_ROWS), 1)
+    if cap is not None:  # a few more blocks where that makes them all of one size
+        n = next((m for m in range(n, n + n // 8 + 1) if n_rows % m == 0), n)
     if n_rows % n == 0:
         rows = n_rows // n
     else:
         rows = ROW_ALIGN * -(-n_rows // (ROW_ALIGN * n))
+        while cap is not None and rows > cap and rows > ROW_ALIGN:  # one block more
+            n += 1
+            rows = ROW_ALIGN * -(-n_rows // (ROW_ALIGN * n))
     if rows > ROW_ALIGN and rows & (rows - 1) == 0 and n > 1:
-        rows += ROW_ALIGN
+        rows += ROW_ALIGN if cap is None or rows + ROW_ALIGN <= cap else -ROW_ALIGN
     n_full, tail = divmod(n_rows, max(rows, 1))
     return BlockPlan(n_rows, max(rows, 1), n_full, tail)
 

@@ -19,9 +19,11 @@ The two evaluation forms:
 
 from __future__ import annotations
 
+import math
+
 from .internals import LAPACK, SCAN, jaxprs_in_params
 
-__all__ = ["FORMS", "detect_form", "blocks_pool"]
+__all__ = ["FORMS", "detect_form", "blocks_pool", "scan_reduce_per_row"]
 
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` run best one block at a time (see the module docstring).
@@ -34,6 +36,8 @@ LOOPS = frozenset({SCAN})
 #: runs fewer of them at a time (see :mod:`.host`). Foreign functions (``ffi_call``)
 #: may do the same and count too.
 POOL_BLOCKING = LAPACK | {"ffi_call", "custom_call"}
+#: Reductions that XLA:CPU may hand to YNNPACK (see :data:`.blocks.YNN_REDUCE`).
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 
 def _uses(jaxpr, names) -> bool:
@@ -44,6 +48,31 @@ def _uses(jaxpr, names) -> bool:
         if any(_uses(sub, names) for sub in jaxprs_in_params(eqn.params)):
             return True
     return False
+
+
+def _scan_reductions(jaxpr, inside: bool = False) -> list:
+    """Elements read by each reduction inside a ``scan``'s body (at any depth), in
+    jaxpr order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if inside and name in REDUCTIONS:
+            out.append(math.prod(eqn.invars[0].aval.shape))
+        for sub in jaxprs_in_params(eqn.params):
+            out.extend(_scan_reductions(sub, inside or name in LOOPS))
+    return out
+
+
+def scan_reduce_per_row(trace, rows: int = 100) -> float:
+    """Elements per row of a block read by the largest reduction in a ``scan``'s body
+    (an HMM's ``logsumexp`` over ``(rows, states, states)``: ``states**2``), or 0.
+
+    ``trace(rows)`` gives ``fn``'s closed jaxpr on a block of ``rows`` rows; it is
+    traced at two sizes so that what does not grow with the rows does not count."""
+    small, large = _scan_reductions(trace(rows).jaxpr), _scan_reductions(trace(2 * rows).jaxpr)
+    if len(small) != len(large):  # a structure that depends on the rows: the larger trace
+        return max(large, default=0) / (2 * rows)
+    return max((max(b - a, 0) / rows for a, b in zip(small, large)), default=0.0)
 
 
 def detect_form(closed) -> str:

@@ -19,12 +19,13 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import host
 from .internals import is_tracer
-from .blocks import TilePlan, balance_blocks, looped_blocks, plan_blocks, plan_tiles, row_bytes
+from .blocks import (BlockPlan, TilePlan, balance_blocks, looped_blocks, plan_blocks, plan_tiles,
+                     row_bytes)
 from .batching import set_batching
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
-from .forms import detect_form
+from .forms import detect_form, scan_reduce_per_row
 from .identity import site_key
 from .site import SiteState
 from .spec import SiteSpec, combine
@@ -149,9 +150,16 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         form = detect_form(jax.make_jaxpr(block)(resident, traced_s, shared_s))
         if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
             form = "looped"
-    if balance:
-        plan = (balance_blocks(plan) if form == "batched"
-                else looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize))
+    if balance and form == "batched":
+        plan = balance_blocks(plan)
+    elif balance:
+        def trace(rows):
+            r, t, s = draft._replace(plan=BlockPlan(rows, rows, 1, 0)).block_struct()
+            with jax.enable_x64(x64):
+                return jax.make_jaxpr(block)(r, t, s)
+
+        plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
+                             scan_reduce_per_row(trace))
     return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 
 

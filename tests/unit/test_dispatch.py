@@ -2,6 +2,8 @@
 branch), the tuner's phases from injected timings, and the runtime switch itself (both
 routes compiled into one program, the same bits either way)."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,13 +80,52 @@ def test_a_scan_is_looped_at_every_size_in_blocks_of_its_own():
         assert fixed.spec.form == "looped"
 
 
-def test_looped_blocks_are_even_and_never_a_power_of_two():
-    from parallel_backend.blocks import LOOPED_MIN_BLOCKS, LOOPED_ROWS, looped_blocks
+def forward(y, log_trans):
+    """The HMM's forward algorithm over each row (``log_trans``: states x states)."""
 
-    for n in (1, 100, 999, 3000, 4096, 16_384, 50_000, 65_536, 131_072, 200_003, 1_000_000):
-        plan = looped_blocks(n)
+    def step(alpha, col):
+        alpha = jax.scipy.special.logsumexp(alpha[:, :, None] + log_trans, axis=1)
+        return alpha + col[:, None], None
+
+    alpha0 = jnp.zeros((y.shape[0], log_trans.shape[0]), y.dtype)
+    alpha, _ = jax.lax.scan(step, alpha0, y.T)
+    return jax.scipy.special.logsumexp(alpha, axis=-1)
+
+
+@pytest.mark.parametrize("states", [2, 4, 6])
+def test_a_scan_that_reduces_keeps_its_reductions_under_ynnpacks_threshold(states):
+    """The largest reduction in the scan's step reads ``rows * states**2`` elements:
+    blocks stay under :data:`YNN_REDUCE` (above it XLA:CPU calls YNNPACK for it at
+    every step), and the same rule holds for float64 and under ``jit``."""
+    from parallel_backend.blocks import YNN_REDUCE
+    from parallel_backend.forms import scan_reduce_per_row
+
+    def trace(f, *shared):
+        return lambda rows: jax.make_jaxpr(f)(jnp.zeros((rows, 5)), *shared)
+
+    assert scan_reduce_per_row(trace(forward, jnp.zeros((states, states)))) == states ** 2
+    assert scan_reduce_per_row(trace(hmm_like, 0.5)) == 0
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(20_000, 5)), jnp.float32)
+    with pb.ThreadExecutor(2) as ex:
+        state = site_of(ex, forward, y, jnp.zeros((states, states)))
+        plan = state.spec.plan
+        assert state.spec.form == "looped" and plan.block_rows * states ** 2 < YNN_REDUCE
+        assert plan.n_full * plan.block_rows + plan.tail_rows == y.shape[0]
+        assert plan.block_rows & (plan.block_rows - 1)  # never a power of two
+
+
+def test_looped_blocks_are_even_and_never_a_power_of_two():
+    from parallel_backend.blocks import (LOOPED_MIN_BLOCKS, LOOPED_ROWS, YNN_REDUCE,
+                                         looped_blocks)
+
+    for n, per_row in itertools.product(
+            (1, 100, 999, 3000, 4096, 16_384, 50_000, 65_536, 131_072, 200_003, 1_000_000),
+            (0, 4, 9, 16, 36, 64)):
+        plan = looped_blocks(n, reduce_per_row=per_row)
         assert plan.n_full * plan.block_rows + plan.tail_rows == n
         assert plan.block_rows <= max(LOOPED_ROWS + 16, 1) or plan.n_blocks == 1
+        if per_row:
+            assert plan.block_rows * per_row < YNN_REDUCE or plan.block_rows <= 48, (n, plan)
         if plan.n_blocks > 1:
             assert plan.block_rows & (plan.block_rows - 1), (n, plan)
             assert plan.tail_rows == 0 or plan.block_rows - plan.tail_rows <= 32 * plan.n_blocks
