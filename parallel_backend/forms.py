@@ -63,16 +63,24 @@ def _scan_reductions(jaxpr, inside: bool = False) -> list:
     return out
 
 
-def scan_reduce_per_row(trace, rows: int = 100) -> float:
+def scan_reduce_per_row(trace, rows: int) -> float:
     """Elements per row of a block read by the largest reduction in a ``scan``'s body
     (an HMM's ``logsumexp`` over ``(rows, states, states)``: ``states**2``), or 0.
 
-    ``trace(rows)`` gives ``fn``'s closed jaxpr on a block of ``rows`` rows; it is
-    traced at two sizes so that what does not grow with the rows does not count."""
-    small, large = _scan_reductions(trace(rows).jaxpr), _scan_reductions(trace(2 * rows).jaxpr)
-    if len(small) != len(large):  # a structure that depends on the rows: the larger trace
-        return max(large, default=0) / (2 * rows)
-    return max((max(b - a, 0) / rows for a, b in zip(small, large)), default=0.0)
+    ``trace(r)`` gives ``fn``'s closed jaxpr on a block of ``r`` rows, ``rows`` a size
+    it is known to trace at. It is traced at twice that too, so that what does not grow
+    with the rows does not count; where ``fn`` fails there or traces another structure,
+    the one trace is read alone."""
+    small = _scan_reductions(trace(rows).jaxpr)
+    if not small:
+        return 0.0
+    try:
+        large = _scan_reductions(trace(2 * rows).jaxpr)
+    except Exception:  # noqa: BLE001 - fn may accept only some sizes: read the one trace
+        large = None
+    if large is None or len(large) != len(small):
+        return max(small) / rows
+    return max(max(b - a, 0) / rows for a, b in zip(small, large))
 
 
 def detect_form(closed) -> str:

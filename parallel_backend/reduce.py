@@ -159,7 +159,7 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
                 return jax.make_jaxpr(block)(r, t, s)
 
         plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
-                             scan_reduce_per_row(trace))
+                             scan_reduce_per_row(trace, draft.plan.block_rows))
     return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 
 

@@ -103,8 +103,8 @@ def test_a_scan_that_reduces_keeps_its_reductions_under_ynnpacks_threshold(state
     def trace(f, *shared):
         return lambda rows: jax.make_jaxpr(f)(jnp.zeros((rows, 5)), *shared)
 
-    assert scan_reduce_per_row(trace(forward, jnp.zeros((states, states)))) == states ** 2
-    assert scan_reduce_per_row(trace(hmm_like, 0.5)) == 0
+    assert scan_reduce_per_row(trace(forward, jnp.zeros((states, states))), 100) == states ** 2
+    assert scan_reduce_per_row(trace(hmm_like, 0.5), 100) == 0
     y = jnp.asarray(np.random.default_rng(0).normal(size=(20_000, 5)), jnp.float32)
     with pb.ThreadExecutor(2) as ex:
         state = site_of(ex, forward, y, jnp.zeros((states, states)))
@@ -112,6 +112,25 @@ def test_a_scan_that_reduces_keeps_its_reductions_under_ynnpacks_threshold(state
         assert state.spec.form == "looped" and plan.block_rows * states ** 2 < YNN_REDUCE
         assert plan.n_full * plan.block_rows + plan.tail_rows == y.shape[0]
         assert plan.block_rows & (plan.block_rows - 1)  # never a power of two
+
+
+def test_a_scan_that_traces_only_at_some_sizes_is_read_from_the_one_trace():
+    """The reduction per row is read from traces at two block sizes; ``fn`` that fails at
+    the larger one (it accepts at most the data's rows) gets the blocks read from the
+    size it traced at, and the sum is ``fn``'s."""
+
+    def bounded(y, log_trans):
+        if y.shape[0] > 1000:
+            raise ValueError(f"at most 1,000 rows, got {y.shape[0]}")
+        return forward(y, log_trans)
+
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(1000, 5)), jnp.float32)
+    log_trans = jnp.log(jnp.full((4, 4), 0.25, jnp.float32))
+    with pb.SerialExecutor() as ex:
+        total = pb.reduce_sum(bounded, y, log_trans, executor=ex)
+        (state,) = ex.sites()
+        assert state.spec.form == "looped" and state.spec.plan.block_rows * 16 < 4096
+    np.testing.assert_allclose(total, forward(y, log_trans).sum(), rtol=1e-5)
 
 
 def test_looped_blocks_are_even_and_never_a_power_of_two():
