@@ -184,8 +184,9 @@ LOOPED_MIN_ROWS = 500
 #: inside a ``scan``'s step: an HMM's ``logsumexp`` over ``(rows, states, states)`` per
 #: step at 4 states ran 5.5 ms per 1,000 sequences in blocks of 200-250 rows and 7.6-8.5
 #: in blocks of 300-1,000 (value and gradient, one core, Intel Xeon; the same step at 2,
-#: 3 and 6 states, float32 and float64, on jax 0.10 and 0.12: wherever rows times 4, 9
-#: or 36 passed 4,096). A looped block stays below it where ``fn``'s scan reduces.
+#: 3 and 6 states, float32 and float64 on jax 0.10, float32 on jax 0.12: wherever rows
+#: times 4, 9 or 36 passed 4,096). A looped block stays below it where ``fn``'s scan
+#: reduces.
 YNN_REDUCE = 4096
 #: ...but never fewer rows than this (each block costs a loop iteration).
 LOOPED_FLOOR_ROWS = 48

@@ -63,15 +63,15 @@ def _scan_reductions(jaxpr, inside: bool = False) -> list:
     return out
 
 
-def scan_reduce_per_row(trace, rows: int) -> float:
+def scan_reduce_per_row(closed, rows: int, trace) -> float:
     """Elements per row of a block read by the largest reduction in a ``scan``'s body
     (an HMM's ``logsumexp`` over ``(rows, states, states)``: ``states**2``), or 0.
 
-    ``trace(r)`` gives ``fn``'s closed jaxpr on a block of ``r`` rows, ``rows`` a size
-    it is known to trace at. It is traced at twice that too, so that what does not grow
-    with the rows does not count; where ``fn`` fails there or traces another structure,
-    the one trace is read alone."""
-    small = _scan_reductions(trace(rows).jaxpr)
+    ``closed`` is ``fn``'s closed jaxpr on a block of ``rows`` rows, ``trace(r)`` gives
+    it on ``r`` rows. ``fn`` is traced at twice ``rows`` too, so that what does not grow
+    with the rows does not count; where it fails there or traces another structure,
+    ``closed`` is read alone."""
+    small = _scan_reductions(closed.jaxpr)
     if not small:
         return 0.0
     try:

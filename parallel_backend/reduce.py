@@ -146,20 +146,21 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
                      bool(x64), label)
     resident, traced_s, shared_s = draft.block_struct()
     block = draft.block_fn()
+
+    def trace(rows):  # fn on a block of ``rows`` rows
+        return jax.make_jaxpr(block)(*draft._replace(plan=BlockPlan(rows, rows, 1, 0))
+                                     .block_struct())
+
     with jax.enable_x64(x64):
-        form = detect_form(jax.make_jaxpr(block)(resident, traced_s, shared_s))
+        closed = jax.make_jaxpr(block)(resident, traced_s, shared_s)
+        form = detect_form(closed)
         if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
             form = "looped"
+        if balance and form == "looped":
+            plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
+                                 scan_reduce_per_row(closed, draft.plan.block_rows, trace))
     if balance and form == "batched":
         plan = balance_blocks(plan)
-    elif balance:
-        def trace(rows):
-            r, t, s = draft._replace(plan=BlockPlan(rows, rows, 1, 0)).block_struct()
-            with jax.enable_x64(x64):
-                return jax.make_jaxpr(block)(r, t, s)
-
-        plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
-                             scan_reduce_per_row(trace, draft.plan.block_rows))
     return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 
 

@@ -103,8 +103,9 @@ def test_a_scan_that_reduces_keeps_its_reductions_under_ynnpacks_threshold(state
     def trace(f, *shared):
         return lambda rows: jax.make_jaxpr(f)(jnp.zeros((rows, 5)), *shared)
 
-    assert scan_reduce_per_row(trace(forward, jnp.zeros((states, states))), 100) == states ** 2
-    assert scan_reduce_per_row(trace(hmm_like, 0.5), 100) == 0
+    for f, shared, expected in ((forward, jnp.zeros((states, states)), states ** 2),
+                                (hmm_like, 0.5, 0)):
+        assert scan_reduce_per_row(trace(f, shared)(100), 100, trace(f, shared)) == expected
     y = jnp.asarray(np.random.default_rng(0).normal(size=(20_000, 5)), jnp.float32)
     with pb.ThreadExecutor(2) as ex:
         state = site_of(ex, forward, y, jnp.zeros((states, states)))
