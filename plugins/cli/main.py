@@ -55,6 +55,8 @@ def main(argv=None) -> int:
                            "`model_kwargs`); default: the demo's negbin model")
     prof.add_argument("--rows", type=_positive("--rows"), default=200_000,
                       help="rows of the demo model's data")
+    prof.add_argument("--chains", type=_positive("--chains"), default=1,
+                      help="vectorized chains each evaluation carries")
     prof.add_argument("--float64", action="store_true", help="run in double precision")
     args = parser.parse_args(argv)
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_enable_x64", bool(args.float64))
     if args.command == "profile":
-        print(profile_command(args.script, n_rows=args.rows))
+        print(profile_command(args.script, n_rows=args.rows, chains=args.chains))
     if args.command == "demo":
         from .demo import run_demo
 
@@ -73,13 +75,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def profile_command(script=None, n_rows: int = 200_000):
+def profile_command(script=None, n_rows: int = 200_000, chains: int = 1):
     """What ``parallel-backend profile [script.py]`` runs.
 
     Without ``script``, profiles the demo's negative-binomial regression on ``n_rows``
     synthetic rows. With ``script``, runs that file (not as ``__main__``) and profiles
     its ``model`` with its ``model_args`` (a tuple, default empty) and ``model_kwargs``
     (a dict, default empty). The precision is the caller's (the command line sets it).
+    ``chains``: vectorized chains (``pb.profile``'s ``chains``).
     """
     import os
     import runpy
@@ -94,7 +97,7 @@ def profile_command(script=None, n_rows: int = 200_000):
 
         data, _ = make_negbin_data(n_rows, dtype=np.float64 if jax.config.jax_enable_x64
                                    else np.float32)
-        return profile(negbin_parallel, data)
+        return profile(negbin_parallel, data, chains=chains)
     if not os.path.isfile(script):
         raise FileNotFoundError(f"profile: no such script {script!r}")
     namespace = runpy.run_path(script, run_name="__parallel_backend_profile__")
@@ -108,7 +111,7 @@ def profile_command(script=None, n_rows: int = 200_000):
     if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
         raise TypeError(f"profile: in {script}, model_args must be a tuple and model_kwargs a "
                         f"dict, got {type(args).__name__} and {type(kwargs).__name__}")
-    return profile(model, *args, **kwargs)
+    return profile(model, *args, chains=chains, **kwargs)
 
 
 if __name__ == "__main__":  # pragma: no cover

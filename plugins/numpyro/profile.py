@@ -36,7 +36,7 @@ __all__ = ["profile", "ProfileReport", "ProfileRow", "MARGIN"]
 MARGIN = 1.1
 
 
-def profile(model, *model_args, executors=None, nuts=True, **model_kwargs):
+def profile(model, *model_args, executors=None, nuts=True, chains=1, **model_kwargs):
     """Time one gradient of ``model``'s log-density in plain NumPyro and on each executor.
 
     Finds the model's ``pb.factor`` sites and builds, per variant, the jitted value
@@ -68,6 +68,12 @@ def profile(model, *model_args, executors=None, nuts=True, **model_kwargs):
         briefly (trees of at most 15 steps, a few seconds each) in plain NumPyro and on
         that executor, report milliseconds per gradient inside the sampler
         (``report.nuts``), and recommend the executor only if it wins there too.
+    chains : int
+        Vectorized chains to measure (``pb.sample``'s default ``chain_method``): each
+        evaluation carries ``chains`` parameter sets under ``vmap`` (initial values
+        drawn with seeds ``0 .. chains - 1``), and the NUTS runs sample that many
+        vectorized chains. Vectorized chains can rank the executors differently from
+        one chain (``docs/performance.md``): profile with the chains you will run.
 
     Returns
     -------
@@ -98,16 +104,18 @@ def profile(model, *model_args, executors=None, nuts=True, **model_kwargs):
     >>> report.recommendation
     'stay with plain NumPyro: one block per pb.factor site (100 rows), nothing to split'
     """
+    if isinstance(chains, bool) or not isinstance(chains, (int, np.integer)) or chains < 1:
+        raise ValueError(f"profile: chains must be a positive int, got {chains!r}")
     targets = executors_to_profile(executors)
     try:
-        return _profile(model, model_args, model_kwargs, targets, nuts)
+        return _profile(model, model_args, model_kwargs, targets, nuts, int(chains))
     finally:
         for _, ex, owned in targets:
             if owned:
                 ex.close()
 
 
-def _profile(model, model_args, model_kwargs, targets, nuts=True):
+def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1):
     with quietly():
         sites = factor_sites(trace_model(model, model_args, model_kwargs))
         if not sites:
@@ -115,7 +123,7 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True):
                 "profile: the model has no pb.factor site, so there is nothing to parallelize. "
                 "Write the likelihood as pb.factor(name, fn, data, *params) with a pointwise "
                 "fn (instead of numpyro.sample(name, dist, obs=data)).")
-        z = initial_params(model, model_args, model_kwargs)
+        z = initial_params(model, model_args, model_kwargs, chains)
 
     variants = []
     with quietly() as scratch:
@@ -123,7 +131,7 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True):
             # use_executor: the site's own reduce_sum (whose value the swap drops) is traced
             # on the same executor, not on the process-wide default.
             with pb.use_executor(ex or scratch):
-                variants.append((gradient_fn(model, model_args, model_kwargs, ex), ex))
+                variants.append((gradient_fn(model, model_args, model_kwargs, ex, chains), ex))
         timed = time_interleaved(variants, z)
     labels = ["plain NumPyro"] + [label for label, _, _ in targets]
     rows = _rows(labels, [ex for _, ex in variants], timed)
@@ -135,11 +143,12 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True):
         ex = variants[rows.index(best)][1]
         draws = nuts_iterations(rows[0].seconds)
         with quietly():
-            plain = nuts_ms_per_gradient(model, model_args, model_kwargs, None, draws)
-        on_ex = nuts_ms_per_gradient(model, model_args, model_kwargs, ex, draws)
+            plain = nuts_ms_per_gradient(model, model_args, model_kwargs, None, draws,
+                                         chains=chains)
+        on_ex = nuts_ms_per_gradient(model, model_args, model_kwargs, ex, draws, chains=chains)
         in_nuts = {"plain NumPyro": plain, best.executor: on_ex}
         recommendation, best = _check_in_nuts(recommendation, best, plain, on_ex)
-    return ProfileReport(rows, site_info, recommendation, best, samples, in_nuts)
+    return ProfileReport(rows, site_info, recommendation, best, samples, in_nuts, chains)
 
 
 def _check_in_nuts(recommendation, best, plain, on_ex):

@@ -106,7 +106,7 @@ class StampedKernel(MCMCKernel):
 
 
 def nuts_ms_per_gradient(model, model_args, model_kwargs, executor, draws: int,
-                         seed: int = 0) -> NutsTiming:
+                         seed: int = 0, chains: int = 1) -> NutsTiming:
     """Milliseconds per gradient of ``model`` in a short NUTS run, with every
     ``pb.factor`` site summed by plain NumPyro (``executor=None``) or by ``reduce_sum``
     on ``executor``.
@@ -114,9 +114,12 @@ def nuts_ms_per_gradient(model, model_args, model_kwargs, executor, draws: int,
     One run of ``draws`` warmup iterations (compilation, step-size adaptation) and
     ``draws`` draws; the draws are timed from the end of the last warmup iteration,
     with a host timestamp after every transition, so compilation is not counted.
+    ``chains > 1``: that many vectorized chains, each gradient evaluation carrying all
+    of them.
     """
     kernel = StampedKernel(NUTS(swap_factors(model, executor), max_tree_depth=MAX_TREE_DEPTH))
-    mcmc = MCMC(kernel, num_warmup=draws, num_samples=draws, progress_bar=False)
+    mcmc = MCMC(kernel, num_warmup=draws, num_samples=draws, num_chains=chains,
+                chain_method="vectorized", progress_bar=False)
     # The site's own reduce_sum (whose value the swap drops) is traced on the same
     # executor, not on the process-wide default (plain NumPyro: the caller's choice).
     with pb.use_executor(executor) if executor is not None else contextlib.nullcontext():

@@ -85,10 +85,13 @@ class ProfileReport:
         When an executor beat plain NumPyro per isolated gradient: the short NUTS runs
         that checked it, ``{label: NutsTiming}`` for plain NumPyro and that executor
         (milliseconds per gradient inside the sampler); ``None`` otherwise.
+    chains : int
+        Vectorized chains each evaluation carried (``profile(..., chains=)``).
     """
 
-    def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None):
+    def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None, chains=1):
         self.rows = list(rows)
+        self.chains = chains
         self.nuts = nuts
         self.samples = samples or {}
         self.sites = list(sites)
@@ -145,7 +148,9 @@ class ProfileReport:
             nuts = ["inside NUTS (" + ", ".join(
                 f"{label}: {t.ms_per_gradient:.3f} ms/grad over {t.gradients} gradients"
                 for label, t in self.nuts.items()) + ")"]
-        return "\n".join([f"pb.profile: one value-and-gradient evaluation ({sites})", *lines,
+        what = ("one value-and-gradient evaluation" if self.chains == 1 else
+                f"one value-and-gradient evaluation of {self.chains} vectorized chains")
+        return "\n".join([f"pb.profile: {what} ({sites})", *lines,
                           *nuts, f"recommendation: {self.recommendation}"])
 
     __str__ = __repr__

@@ -125,14 +125,16 @@ def executors_to_profile(executors):
 # -- timing -------------------------------------------------------------------------------
 
 
-def gradient_fn(model, model_args, model_kwargs, executor):
-    """jit(value_and_grad(potential energy)) with the pb.factor sites swapped."""
+def gradient_fn(model, model_args, model_kwargs, executor, chains: int = 1):
+    """jit(value_and_grad(potential energy)) with the pb.factor sites swapped; under
+    ``vmap`` over a leading axis of parameter sets when ``chains > 1``."""
     swapped = swap_factors(model, executor)
 
     def potential(z):
         return numpyro.infer.util.potential_energy(swapped, model_args, model_kwargs, z)
 
-    return jax.jit(jax.value_and_grad(potential))
+    grad = jax.value_and_grad(potential)
+    return jax.jit(jax.vmap(grad) if chains > 1 else grad)
 
 
 def identical(a, b) -> bool:
@@ -142,14 +144,22 @@ def identical(a, b) -> bool:
         for x, y in zip(la, lb))
 
 
-def initial_params(model, model_args, model_kwargs):
-    """Unconstrained values of the latent sites, drawn as NUTS would initialise them."""
-    trace = trace_model(model, model_args, model_kwargs,
-                        substitute_fn=numpyro.infer.initialization.init_to_uniform)
-    latent = {name: site["value"] for name, site in trace.items()
-              if site["type"] == "sample" and not site["is_observed"]
-              and not site["infer"].get("is_auxiliary")}
-    return numpyro.infer.util.unconstrain_fn(model, model_args, model_kwargs, latent)
+def initial_params(model, model_args, model_kwargs, chains: int = 1):
+    """Unconstrained values of the latent sites, drawn as NUTS would initialise them;
+    with ``chains > 1``, one draw per chain (seeds ``0 .. chains - 1``) stacked on a
+    leading axis, as vectorized chains hold them."""
+
+    def one(seed):
+        trace = trace_model(model, model_args, model_kwargs, seed=seed,
+                            substitute_fn=numpyro.infer.initialization.init_to_uniform)
+        latent = {name: site["value"] for name, site in trace.items()
+                  if site["type"] == "sample" and not site["is_observed"]
+                  and not site["infer"].get("is_auxiliary")}
+        return numpyro.infer.util.unconstrain_fn(model, model_args, model_kwargs, latent)
+
+    if chains == 1:
+        return one(0)
+    return jax.tree.map(lambda *z: jax.numpy.stack(z), *[one(k) for k in range(chains)])
 
 
 def _call(f, z):

@@ -171,6 +171,32 @@ def test_recommendation_must_hold_inside_nuts(ms_on_executor, kept):
                                "isolated gradient evaluation but 1.05x inside NUTS")
 
 
+def test_vectorized_chains_are_profiled_as_one_batched_evaluation():
+    """chains=k: every variant evaluates k parameter sets at once (per set, what one chain
+    evaluates), the executors bit for bit alike, and the NUTS check samples k chains."""
+    y = data(6000)
+    z = timing_module.initial_params(normal_model, (y,), {}, 3)
+    assert all(np.shape(v) == (3,) for v in z.values())
+    assert len({float(v) for v in z["mu"]}) == 3  # a draw per chain, not one copied
+    for ex in (None, pb.SerialExecutor()):
+        value, grad = timing_module.gradient_fn(normal_model, (y,), {}, ex, 3)(z)
+        assert value.shape == (3,) and grad["mu"].shape == (3,)
+        one = timing_module.gradient_fn(normal_model, (y,), {}, ex)
+        for k in range(3):
+            v, g = one({name: x[k] for name, x in z.items()})
+            np.testing.assert_allclose(value[k], v, rtol=2e-5)
+            np.testing.assert_allclose(grad["mu"][k], g["mu"], rtol=2e-4)
+    with pb.ThreadExecutor(2, dispatch="host") as threads:
+        report = pb.profile(normal_model, y, executors=["serial", threads], chains=3)
+    assert report.chains == 3 and "of 3 vectorized chains" in repr(report)
+    assert report.rows[2].identical is True and report.rows[2].dispatch == "host"
+    t = nuts_module.nuts_ms_per_gradient(normal_model, (y,), {}, None, draws=5, chains=3)
+    assert t.draws == 5 and 0 < t.ms_per_gradient < 1000
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="chains must be a positive int"):
+            pb.profile(normal_model, y, chains=bad)
+
+
 def test_dataframe_and_plot():
     pd = pytest.importorskip("pandas")
     matplotlib = pytest.importorskip("matplotlib")
@@ -246,6 +272,9 @@ def test_cli_profiles_a_user_script(cli, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "obs: 100 rows" in out.stdout
     assert "recommendation: stay with plain NumPyro" in out.stdout
+    out = cli(str(script), "--chains", "2")
+    assert out.returncode == 0, out.stderr
+    assert "of 2 vectorized chains (obs: 100 rows" in out.stdout
 
 
 @pytest.mark.slow  # five variants of the demo model compiled: about 10-25 s
