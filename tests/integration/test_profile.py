@@ -173,12 +173,13 @@ def test_recommendation_must_hold_inside_nuts(ms_on_executor, kept):
 
 def test_vectorized_chains_are_profiled_as_one_batched_evaluation():
     """chains=k: every variant evaluates k parameter sets at once (per set, what one chain
-    evaluates), the executors bit for bit alike, and the NUTS check samples k chains."""
+    evaluates), the executors bit for bit alike; the short NUTS run takes k chains."""
     y = data(6000)
     z = timing_module.initial_params(normal_model, (y,), {}, 3)
     assert all(np.shape(v) == (3,) for v in z.values())
     assert len({float(v) for v in z["mu"]}) == 3  # a draw per chain, not one copied
-    for ex in (None, pb.SerialExecutor()):
+    serial = pb.SerialExecutor()
+    for ex in (None, serial):
         value, grad = timing_module.gradient_fn(normal_model, (y,), {}, ex, 3)(z)
         assert value.shape == (3,) and grad["mu"].shape == (3,)
         one = timing_module.gradient_fn(normal_model, (y,), {}, ex)
@@ -186,6 +187,7 @@ def test_vectorized_chains_are_profiled_as_one_batched_evaluation():
             v, g = one({name: x[k] for name, x in z.items()})
             np.testing.assert_allclose(value[k], v, rtol=2e-5)
             np.testing.assert_allclose(grad["mu"][k], g["mu"], rtol=2e-4)
+    serial.close()
     with pb.ThreadExecutor(2, dispatch="host") as threads:
         report = pb.profile(normal_model, y, executors=["serial", threads], chains=3)
     assert report.chains == 3 and "of 3 vectorized chains" in repr(report)
