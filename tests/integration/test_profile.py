@@ -189,7 +189,7 @@ def test_vectorized_chains_are_profiled_as_one_batched_evaluation():
             np.testing.assert_allclose(grad["mu"][k], g["mu"], rtol=2e-4)
     serial.close()
     with pb.ThreadExecutor(2, dispatch="host") as threads:
-        report = pb.profile(normal_model, y, executors=["serial", threads], chains=3)
+        report = pb.profile(normal_model, y, executors=["serial", threads], chains=3, nuts=False)
     assert report.chains == 3 and "of 3 vectorized chains" in repr(report)
     assert report.rows[2].identical is True and report.rows[2].dispatch == "host"
     t = nuts_module.nuts_ms_per_gradient(normal_model, (y,), {}, None, draws=5, chains=3)
