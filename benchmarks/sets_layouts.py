@@ -7,8 +7,9 @@ arranged decides which dot XLA emits and in which layout the elementwise work af
 runs. This script times, in one compiled loop of value-and-gradient calls and against
 plain NumPyro's form in the same run, the arrangements one can write in JAX:
 
-* ``swap``: the dot written ``dot_general(beta, X)`` (parameters on the left, as XLA
-  makes plain's after folding its transpose) or ``X @ beta`` (as the likelihood writes it);
+* ``swap``: the dot as the likelihood writes it (``X @ beta``) or with its operands
+  swapped (``dot_general(beta, X)``, parameters on the left, as XLA makes plain's after
+  folding its transpose; the likelihood is the same, its ``X`` wrapped in :class:`Swapped`);
 * ``outer``: the sets mapped outside the blocks, or inside them (the package's choice);
 * ``bcast``: the shared parameters broadcast over the blocks (the package's choice), or not.
 
@@ -33,7 +34,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def arrangement(fn, data, n_params, rows, swap, outer, bcast):
+class Swapped:
+    """The data matrix of a likelihood whose predictor is ``data["X"] @ beta``: ``@`` with
+    it computes ``dot_general(beta, X)`` (parameters on the left), so the likelihoods of
+    ``benchmarks/likelihoods.py`` run unchanged with their dot's operands swapped."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __matmul__(self, beta):
+        from jax import lax
+
+        return lax.dot_general(beta, self.x, (((beta.ndim - 1,), (self.x.ndim - 1,)), ((), ())))
+
+
+def arrangement(fn, data, rows, swap, outer, bcast):
     """Value and gradients of every set, written out in blocks of ``rows`` rows."""
     import jax
     import jax.numpy as jnp
@@ -49,9 +64,9 @@ def arrangement(fn, data, n_params, rows, swap, outer, bcast):
 
     def block(xb, yb, *p):
         def total(*p):
-            return fn({"X": xb, "y": yb}, *p, swap=swap).sum()
+            return fn({"X": Swapped(xb) if swap else xb, "y": yb}, *p).sum()
 
-        return jax.value_and_grad(total, argnums=tuple(range(n_params)))(*p)
+        return jax.value_and_grad(total, argnums=tuple(range(len(p))))(*p)
 
     def f(*p):
         xb, ybb = lax.optimization_barrier((Xb, yb))
@@ -75,59 +90,25 @@ def arrangement(fn, data, n_params, rows, swap, outer, bcast):
     return f
 
 
-def likelihood(name):
-    """``fn(data, *params, swap)`` and the maker of ``benchmarks/likelihoods.py``."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.scipy.special import gammaln
-
-    import likelihoods
-
-    def predictor(X, beta, swap):
-        return lax.dot_general(beta, X, (((0,), (1,)), ((), ()))) if swap else X @ beta
-
-    def logistic(d, alpha, beta, swap=False):
-        z = alpha + predictor(d["X"], beta, swap)
-        return d["y"] * jax.nn.log_sigmoid(z) + (1 - d["y"]) * jax.nn.log_sigmoid(-z)
-
-    def negbin(d, alpha, beta, log_phi, swap=False):
-        phi = jnp.exp(log_phi)
-        log_mu = alpha + predictor(d["X"], beta, swap)
-        y = d["y"]
-        return (gammaln(y + phi) - gammaln(phi) - gammaln(y + 1)
-                + phi * (log_phi - jnp.logaddexp(log_phi, log_mu))
-                + y * (log_mu - jnp.logaddexp(log_phi, log_mu)))
-
-    return {"logistic": logistic, "negbin": negbin}[name], getattr(likelihoods, name)
-
-
 def time_dots(rounds):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    def median_ms(f, *a):
-        f = jax.jit(f)
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(ts))
+    from timing import interleaved_medians
 
     rng = np.random.default_rng(0)
     n, f, s = 200_704, 20, 4
     X = jnp.asarray(rng.normal(size=(n, f)).astype(np.float32))
     B = jnp.asarray(rng.normal(size=(s, f)).astype(np.float32))
     print(f"jax {jax.__version__}: forward dot of {n:,} rows x {f} features, {s} sets, ms")
+    forms = {"sets leading (bsf,brf->bsr)": jax.jit(lambda x, b: jnp.einsum("bsf,brf->bsr", b, x)),
+             "rows leading (brf,bsf->brs)": jax.jit(lambda x, b: jnp.einsum("brf,bsf->brs", x, b))}
     for nb in (1, 2, 4, 7, 49, 196):
-        xb, bb = X.reshape(nb, n // nb, f), jnp.broadcast_to(B, (nb, s, f)) + 0
-        sets_first = median_ms(lambda x, b: jnp.einsum("bsf,brf->bsr", b, x), xb, bb)
-        rows_first = median_ms(lambda x, b: jnp.einsum("brf,bsf->brs", x, b), xb, bb)
-        print(f"  {nb:4d} blocks: sets leading (bsf,brf->bsr) {sets_first:.3f}   "
-              f"rows leading (brf,bsf->brs) {rows_first:.3f}", flush=True)
+        args = (X.reshape(nb, n // nb, f), jnp.broadcast_to(B, (nb, s, f)) + 0)
+        med = interleaved_medians(forms, args, rounds, warmup=1)
+        print(f"  {nb:4d} blocks: " + "   ".join(f"{k} {v * 1e3:.3f}" for k, v in med.items()),
+              flush=True)
 
 
 def main():
@@ -145,24 +126,23 @@ def main():
     import jax
     import numpy as np
 
-    from likelihoods import parameter_sets
+    from likelihoods import MAKERS, parameter_sets
     from parallel_backend.dispatch import in_a_loop
     from timing import interleaved_medians
 
-    fn, make = likelihood(args.likelihood)
-    plain_fn, data, params = make(args.rows, np.float32)
+    fn, data, params = MAKERS[args.likelihood](args.rows, np.float32)
     sets = parameter_sets(params, args.sets)
     k = len(params)
 
     def plain(*p):
-        return plain_fn(data, *p).sum()
+        return fn(data, *p).sum()
 
     loop = 4
     variants = {"plain": in_a_loop(jax.vmap(jax.value_and_grad(plain, argnums=tuple(range(k)))), loop)}
     for swap in (0, 1):
         for outer in (0, 1):
             for bcast in (0, 1):
-                f = arrangement(fn, data, k, args.block_rows, swap, outer, bcast)
+                f = arrangement(fn, data, args.block_rows, swap, outer, bcast)
                 variants[f"swap={swap} outer={outer} bcast={bcast}"] = in_a_loop(f, loop)
     med = interleaved_medians(variants, sets, args.rounds, warmup=3)
     print(f"jax {jax.__version__}, {args.likelihood} {args.rows:,} rows, {args.sets} sets, "

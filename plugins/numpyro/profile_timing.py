@@ -13,6 +13,7 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 from numpyro.primitives import Messenger
@@ -159,7 +160,7 @@ def initial_params(model, model_args, model_kwargs, chains: int = 1):
 
     if chains == 1:
         return one(0)
-    return jax.tree.map(lambda *z: jax.numpy.stack(z), *[one(k) for k in range(chains)])
+    return jax.tree.map(lambda *z: jnp.stack(z), *[one(k) for k in range(chains)])
 
 
 def _call(f, z):
