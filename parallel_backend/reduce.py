@@ -1,8 +1,10 @@
-"""``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom VJP.
+"""``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom JVP.
 
 This module owns the public primitive: validation at the boundary (before any
 tracing), the call site's :class:`~parallel_backend.spec.SiteSpec`, the
-``jax.custom_vjp`` that hands value and gradients to JAX autodiff, and the
+``jax.custom_jvp`` that hands value and gradients to JAX autodiff (every derivative JAX
+takes: reverse and forward mode, and second derivatives as per-block Hessian-vector
+products), and the
 ``jax.pure_callback`` through which the host path (:mod:`.host`) runs. It imports
 jax, numpy and the core modules; never NumPyro, dask or ArviZ.
 """
@@ -128,7 +130,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     choice = current_slot(executor, state)
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
-    return _reduce(state, executor, grainsize, route)(traced, tuple(shared_leaves), choice)
+    blocked = functools.partial(_blocked_sum, state.spec, resident)
+    return _reduce(state, executor, grainsize, route, blocked)(traced, tuple(shared_leaves), choice)
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
@@ -179,10 +182,10 @@ def _batchable(block, resident, traced, shared) -> bool:
     return True
 
 
-# -- the custom VJP ----------------------------------------------------------------
+# -- the custom JVP ----------------------------------------------------------------
 
 
-def _reduce(state, executor, grainsize, route):
+def _reduce(state, executor, grainsize, route, blocked):
     """The differentiable function of (traced data leaves, shared leaves, choice),
     evaluated on ``route`` (``"graph"`` or ``"host"``; ``choice`` is ``None``), or, with
     ``route=None``, where the int32 ``choice`` says when the program runs
@@ -230,41 +233,102 @@ def _reduce(state, executor, grainsize, route):
         # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations).
         return lax.optimization_barrier(combine(*partials(traced, shared, choice, dt, ds)))
 
-    @jax.custom_vjp
+    # Value and gradients (``dt``, ``ds``: which traced and shared leaves get one) as the
+    # route computes them. Their own derivatives (second order) are per-block
+    # Hessian-vector products: JAX's autodiff of ``fn`` block by block (forward over
+    # reverse), inside the caller's program.
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+    def value_and_grads(traced, shared, choice, dt, ds):
+        v, gs, gd = run(traced, shared, choice, dt, ds)
+        return v, gd, gs
+
+    @value_and_grads.defjvp
+    def value_and_grads_jvp(dt, ds, primals, tangents):
+        traced, shared, choice = primals
+        tt, ts, _ = tangents
+        out = value_and_grads(traced, shared, choice, dt, ds)
+        _, tan = jax.jvp(functools.partial(_value_and_grads_of, blocked, dt, ds),
+                         (traced, shared), (tt, ts))
+        return out, tan
+
+    @jax.custom_jvp
     def value(traced, shared, choice):
         no = (False,) * len(traced), (False,) * len(shared)
         return run(traced, shared, choice, *no)[0]
 
-    def fwd(traced, shared, choice):
-        tv = tuple(p.value for p in traced)
-        sv = tuple(p.value for p in shared)
-        dt = tuple(bool(p.perturbed) and _is_float(p.value) for p in traced)
-        ds = tuple(bool(p.perturbed) and _is_float(p.value) for p in shared)
-        v, gs, gd = run(tv, sv, None if choice is None else choice.value, dt, ds)
-        return v, (_spread(gd, dt), _spread(gs, ds))
+    def value_jvp(primals, tangents):
+        # A directional derivative is the gradients' dot with the tangent. The gradients
+        # come from the route (bitwise the same on every executor); the dot is linear in
+        # the tangent, so JAX transposes it for reverse mode (``grad``, ``vjp``: the
+        # cotangent times the gradients) and maps it for ``jacfwd``; differentiating
+        # again reaches ``value_and_grads``'s rule.
+        traced, shared, choice = primals
+        tt, ts, _ = tangents
+        dt = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(traced, tt))
+        ds = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(shared, ts))
+        v, gd, gs = value_and_grads(traced, shared, choice, dt, ds)
+        pairs = [*zip(gd, _kept(tt, dt)), *zip(gs, _kept(ts, ds))]
+        terms = [jnp.sum(g * t).astype(v.dtype) for g, t in pairs]
+        return v, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(v)
 
-    def bwd(res, ct):
-        gd, gs = res
-        if isinstance(ct, SymbolicZero):
-            return tuple(None for _ in gd), tuple(None for _ in gs), None
-
-        def scale(g):
-            return None if g is None else (ct * g).astype(g.dtype)
-
-        return tuple(scale(g) for g in gd), tuple(scale(g) for g in gs), None
-
-    value.defvjp(fwd, bwd, symbolic_zeros=True)
+    value.defjvp(value_jvp, symbolic_zeros=True)
     return value
+
+
+def _kept(xs, mask):
+    return [x for x, m in zip(xs, mask) if m]
+
+
+def _value_and_grads_of(blocked, dt, ds, traced, shared):
+    """``(value, data gradients, shared gradients)`` of ``blocked(traced, shared)`` for the
+    leaves ``dt``/``ds`` mark, by JAX's autodiff: the in-graph twin of the route's
+    ``value_and_grads``, differentiated for second derivatives."""
+
+    def total(td, sd):
+        it_t, it_s = iter(td), iter(sd)
+        t = tuple(next(it_t) if d else x for x, d in zip(traced, dt))
+        s = tuple(next(it_s) if d else x for x, d in zip(shared, ds))
+        return blocked(t, s)
+
+    v, (gd, gs) = jax.value_and_grad(total, argnums=(0, 1))(tuple(_kept(traced, dt)),
+                                                            tuple(_kept(shared, ds)))
+    return v, tuple(gd), tuple(gs)
+
+
+def _blocked_sum(spec, resident, traced, shared):
+    """``fn``'s log-density summed block by block in block order, in plain JAX (no
+    callback, no barrier): full blocks together (``vmap``, or ``lax.map`` for a site
+    whose ``fn`` cannot be batched), the last partial block apart. It is what second
+    derivatives differentiate."""
+    plan = spec.plan
+    block = spec.block_fn()
+    full = plan.n_full * plan.block_rows
+
+    def blocks(x):
+        return jnp.reshape(x[:full], (plan.n_full, plan.block_rows) + tuple(jnp.shape(x)[1:]))
+
+    sums = []
+    if plan.n_full:
+        res_b = [blocks(jnp.asarray(x)) for x in resident]
+        tr_b = [blocks(x) for x in traced]
+
+        def one(r, t):
+            return jnp.sum(block(r, t, shared))
+
+        if spec.form == "batched":
+            sums.append(jax.vmap(one)(res_b, tr_b))
+        else:
+            sums.append(lax.map(lambda rt: one(*rt), (res_b, tr_b)))
+    if plan.tail_rows:
+        tail = jnp.sum(block([jnp.asarray(x)[full:] for x in resident],
+                             [x[full:] for x in traced], shared))
+        sums.append(tail[None])
+    return jnp.sum(jnp.concatenate(sums))
 
 
 def _add_zero(zero, x):
     """``x`` plus ``zero`` (a counter's), broadcast over ``x``'s per-evaluation axes."""
     return x + zero.reshape(zero.shape + (1,) * (x.ndim - zero.ndim)).astype(x.dtype)
-
-
-def _spread(grads, mask):
-    it = iter(grads)
-    return tuple(next(it) if m else None for m in mask)
 
 
 def _host_partials(state, executor, grainsize, traced, shared, diff_traced, diff_shared):

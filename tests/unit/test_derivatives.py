@@ -1,0 +1,201 @@
+"""Every derivative JAX users take of a ``reduce_sum``: ``jvp``, ``jacfwd``, ``jax.hessian``,
+grad of grad, and ``vmap`` of them, against the same derivative of the unsplit sum.
+
+A directional derivative is the route's gradients dotted with the tangent, so first
+derivatives in forward mode are bitwise the same on every executor, as reverse-mode
+gradients are; second derivatives are per-block Hessian-vector products (JAX's autodiff
+of ``fn`` block by block), compared to round-off.
+"""
+
+import sys
+import warnings
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import parallel_backend as pb
+
+#: Several blocks and a ragged tail (1000 = 3 * 256 + 232).
+BLOCK_ROWS = 256
+RTOL = 1e-8
+#: The problems: elementwise (logistic), per-row parameters (random_effects), a
+#: ``scan`` per row (hmm, the looped form).
+PROBLEMS = ["logistic", "random_effects", "hmm"]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def tangents(args, seed=1):
+    """A tangent of ``args`` (float leaves only), reproducible."""
+    leaves, tree = jax.tree.flatten(args)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(tree, [jax.random.normal(k, jnp.shape(x), jnp.result_type(x))
+                                     for k, x in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_jvp_matches_unsplit_sum(x64, executor, make_problem, assert_close, name):
+    problem = make_problem(name, n=1000)
+    t = tangents(problem.args)
+    got = jax.jit(lambda a, t: jax.jvp(problem.split(executor, block_rows=BLOCK_ROWS), a, t))(
+        problem.args, t)
+    want = jax.jit(lambda a, t: jax.jvp(problem.unsplit(), a, t))(problem.args, t)
+    assert_close(got, want, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_hessian_matches_unsplit_sum(x64, executor, make_problem, assert_close, name):
+    problem = make_problem(name, n=150)
+    split, unsplit = problem.split(executor, block_rows=64), problem.unsplit()
+    got = jax.jit(jax.hessian(split, argnums=(0, 1)))(*problem.args)
+    want = jax.jit(jax.hessian(unsplit, argnums=(0, 1)))(*problem.args)
+    assert_close(got, want, rtol=RTOL)
+    # jacfwd of the gradient (forward over reverse) and jacrev of it (reverse over reverse)
+    fwd = jax.jit(jax.jacfwd(jax.grad(split, argnums=1), argnums=1))(*problem.args)
+    rev = jax.jit(jax.jacrev(jax.grad(split, argnums=1), argnums=1))(*problem.args)
+    want11 = jax.jit(jax.hessian(unsplit, argnums=1))(*problem.args)
+    assert_close(fwd, want11, rtol=RTOL)
+    assert_close(rev, want11, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_grad_of_grad_matches_unsplit_sum(x64, executor, make_problem, assert_close, name):
+    problem = make_problem(name, n=1000)
+
+    def grad_norm(f):
+        def g(row_params, params):
+            grads = jax.grad(f, argnums=(0, 1))(row_params, params)
+            return sum(jnp.sum(x ** 2) for x in jax.tree.leaves(grads))
+        return jax.jit(jax.grad(g, argnums=(0, 1)))
+
+    got = grad_norm(problem.split(executor, block_rows=BLOCK_ROWS))(*problem.args)
+    want = grad_norm(problem.unsplit())(*problem.args)
+    assert_close(got, want, rtol=RTOL)
+
+
+def test_vmap_of_hessian_vector_products(x64, executor, make_problem, assert_close):
+    """A batch of parameter sets (vectorized chains), each with its Hessian-vector product."""
+    problem = make_problem("logistic", n=1000)
+    batch = problem.batch(3)
+    t = tangents(problem.args)
+
+    def hvp(f):
+        grad = jax.grad(f, argnums=(0, 1))
+        return jax.jit(jax.vmap(lambda a: jax.jvp(lambda *x: grad(*x), a, t)))
+
+    got = hvp(problem.split(executor, block_rows=BLOCK_ROWS))(batch)
+    want = hvp(problem.unsplit())(batch)
+    assert_close(got, want, rtol=RTOL)
+
+
+def test_forward_mode_first_derivative_is_bitwise_reproducible(x64, make_problem,
+                                                                assert_identical, fresh_executor):
+    """``jvp`` and ``jacfwd`` give the same bits on every executor and chunking, as ``grad``."""
+    problem = make_problem("random_effects", n=1000)
+    t = tangents(problem.args)
+    outs = []
+    for name, grainsize in [("serial", None), ("serial-host", 256), ("thread2-host", 512),
+                            ("thread2-host", None)]:
+        f = problem.split(fresh_executor(name), block_rows=BLOCK_ROWS, grainsize=grainsize)
+        outs.append((jax.jit(lambda a, t, f=f: jax.jvp(f, a, t))(problem.args, t),
+                     jax.jit(jax.jacfwd(f, argnums=1))(*problem.args),
+                     jax.jit(jax.grad(f, argnums=(0, 1)))(*problem.args)))
+    for out in outs[1:]:
+        assert_identical(out, outs[0])
+    # and the directional derivative is the reverse-mode gradient's dot with the tangent
+    (_, jvp), _, grads = outs[0]
+    dot = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(t)))
+    np.testing.assert_allclose(jvp, dot, rtol=1e-12)
+
+
+def test_second_derivatives_run_per_block(x64, make_problem):
+    """The Hessian-vector product is taken block by block: ``fn`` is traced at the
+    block sizes (and the tail's), never on all rows at once."""
+    problem = make_problem("logistic", n=1000)
+    sizes = []
+
+    def fn(d, *shared):
+        sizes.append(jax.tree.leaves(d)[0].shape[0])
+        return problem.fn(d, *shared)
+
+    f = problem._replace(fn=fn).split(pb.SerialExecutor(), block_rows=BLOCK_ROWS)
+    jax.jit(jax.hessian(f, argnums=1))(*problem.args)
+    assert 1000 not in sizes and set(sizes) <= {BLOCK_ROWS, 1000 - 3 * BLOCK_ROWS}
+
+
+def test_device_executor_forward_mode(x64, make_problem, assert_close, assert_identical):
+    """The device map's graph route: hessian equal to plain, jvp equal to the serial one."""
+    problem = make_problem("random_effects", n=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one CPU device here: it warns that it maps nothing
+        with pb.DeviceExecutor() as ex:
+            split = problem.split(ex, block_rows=BLOCK_ROWS)
+            t = tangents(problem.args)
+            got = jax.jit(jax.hessian(split, argnums=1))(*problem.args)
+            jvp = jax.jit(lambda a, t: jax.jvp(split, a, t))(problem.args, t)
+    want = jax.jit(jax.hessian(problem.unsplit(), argnums=1))(*problem.args)
+    assert_close(got, want, rtol=RTOL)
+    serial = problem.split(pb.SerialExecutor(), block_rows=BLOCK_ROWS)
+    assert_identical(jvp, jax.jit(lambda a, t: jax.jvp(serial, a, t))(problem.args, t))
+
+
+@pytest.mark.dask
+def test_dask_executor_forward_mode(x64, make_problem, assert_close, assert_identical):
+    """A real dask cluster (two worker processes): jvp bitwise the serial one, hessian
+    equal to plain."""
+    distributed = pytest.importorskip("distributed")
+    problem = make_problem("logistic", n=600)
+    t = tangents(problem.args)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  host="127.0.0.1", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client, pb.DaskExecutor(client=client) as ex:
+        split = problem.split(ex, block_rows=128)
+        jvp = jax.jit(lambda a, t: jax.jvp(split, a, t))(problem.args, t)
+        hess = jax.jit(jax.hessian(split, argnums=1))(*problem.args)
+        assert ex.stats()["calls"] >= 1
+    serial = problem.split(pb.SerialExecutor(), block_rows=128)
+    assert_identical(jvp, jax.jit(lambda a, t: jax.jvp(serial, a, t))(problem.args, t))
+    assert_close(hess, jax.jit(jax.hessian(problem.unsplit(), argnums=1))(*problem.args),
+                 rtol=RTOL)
+
+
+def test_laplace_approximation_matches_plain_model(x64):
+    """``AutoLaplaceApproximation`` (a Hessian of the model's log-density) through a
+    ``pb.factor`` site: the plain model's mean and covariance."""
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer import SVI, Trace_ELBO
+    from numpyro.infer.autoguide import AutoLaplaceApproximation
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(500, 3))
+    y = X @ np.array([0.5, -1.0, 0.25]) + 0.3 + rng.normal(size=500)
+
+    def loglik(d, b, a, s):
+        x, yy = d
+        return dist.Normal(x @ b + a, s).log_prob(yy)
+
+    def model(parallel):
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        if parallel:
+            pb.factor("y", loglik, (X, y), b, a, s, executor=pb.ThreadExecutor(2),
+                      block_rows=128)
+        else:
+            numpyro.factor("y", loglik((X, y), b, a, s).sum())
+
+    fits = []
+    for parallel in (False, True):
+        guide = AutoLaplaceApproximation(model)
+        svi = SVI(model, guide, numpyro.optim.Adam(0.05), Trace_ELBO())
+        result = svi.run(jax.random.PRNGKey(0), 200, parallel, progress_bar=False)
+        posterior = guide.get_posterior(result.params)
+        fits.append((posterior.mean, posterior.covariance_matrix))
+    (m0, c0), (m1, c1) = fits
+    np.testing.assert_allclose(m1, m0, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(c1, c0, rtol=1e-6, atol=1e-10)
+    assert np.all(np.linalg.eigvalsh(np.asarray(c1)) > 0)
