@@ -151,7 +151,8 @@ def test_dask_executor_forward_mode(x64, make_problem, assert_close, assert_iden
     t = tangents(problem.args)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                   host="127.0.0.1", dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as client, pb.DaskExecutor(client=client) as ex:
+            distributed.Client(cluster) as client, \
+            pb.DaskExecutor(client=client, dispatch="host") as ex:
         split = problem.split(ex, block_rows=128)
         jvp = jax.jit(lambda a, t: jax.jvp(split, a, t))(problem.args, t)
         hess = jax.jit(jax.hessian(split, argnums=1))(*problem.args)
