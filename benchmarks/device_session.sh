@@ -5,6 +5,7 @@
 # whole script ends in about 7 minutes whatever hangs; at most 8 files go to OUTDIR.
 #   bash benchmarks/device_session.sh OUTDIR          # on the device machine
 #   SMALL=1 bash benchmarks/device_session.sh /tmp/s  # a dry run at tiny sizes (any CPU)
+#   PARTS="stall gpu cpu" (the default) picks the parts to run.
 # On the device: numpyro>=0.22 travels as a wheel in .whl/ (its image has 0.21).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,7 @@ out=$1
 mkdir -p "$out"
 py=${PYTHON:-python3}
 small=${SMALL:-}
+parts=" ${PARTS:-stall gpu cpu} "
 log=$out/session.log
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 exec > >(tee -a "$log") 2>&1
@@ -44,19 +46,27 @@ git log -1 --format='commit %H %s') > "$out/machine.txt" 2>&1
 tail -n 2 "$out/machine.txt"
 
 # (a) The stall: every case in its own process at once (a stalled one uses nothing);
-# each prints every thread's stack and exits after its --timeout.
+# each prints every thread's stack and exits after its --timeout. The same cases again
+# with XLA's GPU autotuning off ("_noautotune").
 n_hmm=50000; [ -n "$small" ] && n_hmm=600
 stall=$out/stall.jsonl
+if [[ $parts == *" stall "* ]]; then
 echo "== stall cases $(date +%T)"
 pids=()  # a bare `wait` would also wait for the tee above, forever
-for c in jax_same jax_inner_cpu jax_outer_cpu; do
-  timeout -k 5 40 $py benchmarks/device_stall.py $c --timeout 30 > "$out/.stall_$c" 2>&1 &
-  pids+=($!)
-done
-for c in host_route host_made auto; do
-  timeout -k 5 70 $py benchmarks/device_stall.py $c --n $n_hmm --timeout 60 \
-    > "$out/.stall_$c" 2>&1 &
-  pids+=($!)
+for flags in "" "--xla_gpu_autotune_level=0"; do
+  tag=${flags:+_noautotune}
+  for c in jax_same jax_inner_cpu jax_outer_cpu jax_compile_inside jax_compiled_before; do
+    [ -n "$flags" ] && [ $c != jax_compile_inside ] && continue
+    XLA_FLAGS=$flags timeout -k 5 40 $py benchmarks/device_stall.py $c --timeout 30 \
+      > "$out/.stall_$c$tag" 2>&1 &
+    pids+=($!)
+  done
+  for c in host_route host_made auto; do
+    [ -n "$flags" ] && [ $c != host_route ] && continue
+    XLA_FLAGS=$flags timeout -k 5 70 $py benchmarks/device_stall.py $c --n $n_hmm \
+      --timeout 60 > "$out/.stall_$c$tag" 2>&1 &
+    pids+=($!)
+  done
 done
 if [ -z "$small" ]; then
   timeout -k 5 70 $py -m pytest -q -p no:xdist -p no:cacheprovider -o addopts="" \
@@ -70,15 +80,17 @@ for f in "$out"/.stall_*; do
   cat "$f"
   rm -f "$f"
 done
+fi
 
 # (b) The GPU against plain NumPyro (the GPU is JAX's default device).
 scale=1; [ -n "$small" ] && scale=0.01
-step gpu_bench_device 150 $py benchmarks/bench_device.py --dtype float32 --rounds 5 \
+[[ $parts == *" gpu "* ]] && step gpu_bench_device 150 $py benchmarks/bench_device.py --dtype float32 --rounds 5 \
   --scale $scale --likelihoods hmm_50k,negbin_1M --json "$out/gpu_device.jsonl"
 
 # (c) 16 cores, CPU only: per gradient in a loop of 2, then thread scaling against plain
 # pinned to as many cores (one process per worker count, most telling first, while the
 # session is under 400 s).
+[[ $parts == *" cpu "* ]] || { echo "== done $(date +%T) after ${SECONDS}s"; exit 0; }
 step cpu_gradients 100 env JAX_PLATFORMS=cpu $py benchmarks/bench_gradients.py \
   --dtype float32 --rounds 3 --loop 2 --scale $scale --only plain,serial,thread,thread_host \
   --likelihoods hmm_50k,negbin_1M,logistic_1M --json "$out/cpu_gradients.jsonl"

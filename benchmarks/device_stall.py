@@ -18,6 +18,11 @@ Cases:
   ``jax.pure_callback`` runs a jitted sum on that same device (the host route's shape).
 * ``jax_inner_cpu``: the same, the callback's sum on the CPU (``ThreadExecutor``'s shape).
 * ``jax_outer_cpu``: the program on the CPU, the callback's sum on the device.
+* ``jax_compile_inside``: as ``jax_same``, the callback's program the HMM's value and
+  gradient over one block of 250 sequences, compiled at its first call (inside the
+  callback, as the host route compiles its chunk programs).
+* ``jax_compiled_before``: the same program compiled (and run once) before the outer
+  program starts.
 
     python benchmarks/device_stall.py host_route --n 50000 --timeout 60
 """
@@ -42,12 +47,21 @@ def jax_case(name: str) -> dict:
 
     dev, cpu = jax.devices()[0], jax.devices("cpu")[0]
     outer, inner = {"jax_same": (dev, dev), "jax_inner_cpu": (dev, cpu),
-                    "jax_outer_cpu": (cpu, dev)}[name]
+                    "jax_outer_cpu": (cpu, dev)}.get(name, (dev, dev))
     inner_sum = jax.jit(lambda x: jnp.sum(x * x))
+    if name in ("jax_compile_inside", "jax_compiled_before"):
+        from likelihoods import hmm
+
+        fn, obs, params = hmm(250, np.float32)
+        obs, params = jax.device_put((obs, params), dev)
+        vg = jax.jit(jax.value_and_grad(lambda x, *p: fn(obs, *p).sum() + x.sum()))
+        inner_sum = lambda x: vg(x, *params)[0]  # noqa: E731
+        if name == "jax_compiled_before":
+            jax.block_until_ready(inner_sum(jnp.zeros(1000, jnp.float32)))
 
     def host(x):
         with jax.default_device(inner):
-            return np.asarray(jax.device_get(inner_sum(jnp.asarray(x))))
+            return np.asarray(jax.device_get(inner_sum(jax.device_put(x, inner))))
 
     @jax.jit
     def program(x):
@@ -99,7 +113,8 @@ def executor_case(name: str, n: int, dtype: str) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("case", choices=["host_route", "host_made", "auto", "jax_same",
-                                     "jax_inner_cpu", "jax_outer_cpu"])
+                                     "jax_inner_cpu", "jax_outer_cpu", "jax_compile_inside",
+                                     "jax_compiled_before"])
     ap.add_argument("--n", type=int, default=50_000, help="HMM sequences")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--timeout", type=float, default=60.0,
@@ -111,7 +126,8 @@ def main(argv=None):
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     devices = jax.devices()
-    head = dict(case=args.case, platform=devices[0].platform,
+    head = dict(case=args.case, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                platform=devices[0].platform,
                 device_kind=devices[0].device_kind, devices=len(devices),
                 jax=jax.__version__)
     print(json.dumps(dict(head, started=True)), flush=True)

@@ -41,6 +41,27 @@ __all__ = ["DeviceExecutor"]
 #: The mesh axis the blocks are split over; named so it cannot clash with a user's.
 AXIS = "parallel_backend_blocks"
 
+#: Why the host route is never taken on an accelerator. Its callback runs inside the
+#: caller's program, which holds the device until the callback returns; compiling the
+#: chunk programs for that device there stalled (issue 38, on an H100: stuck in XLA's
+#: compilation every time, a plain JAX sum compiled the same way once in three; with
+#: XLA's GPU autotuning off it finished, and ran slower than the graph route). So the
+#: route is refused, not made to work.
+HOST_ROUTE_WAITS = (
+    "dispatch='host' cannot run on {platform} devices: its host callback runs inside the "
+    "caller's program, which holds the {platform} until the callback returns, and "
+    "compiling the blocks' programs for that {platform} there stalls. Using "
+    "dispatch='graph' (the blocks inside the caller's program) instead.")
+#: What the routes do on one accelerator (measured: docs/performance.md).
+ONE_ACCELERATOR_LOSES = (
+    "on {platform} the blocks run one after another inside the caller's program on one "
+    "{platform} (the host route cannot run there), and every route measured slower there "
+    "than plain NumPyro, which evaluates all rows in fewer, larger kernels. On one "
+    "{platform} use plain NumPyro.")
+#: Added where several accelerators are visible and ``dispatch="auto"`` keeps one busy.
+SEVERAL_ACCELERATORS = (
+    " dispatch='graph' splits the blocks over the {n} devices (not measured here).")
+
 
 class DeviceExecutor(Executor):
     """Evaluate the blocks on several JAX devices: CPU devices or GPUs.
@@ -59,7 +80,8 @@ class DeviceExecutor(Executor):
         ``"host"``: one host callback per evaluation hands the parameters to every
         device; each device runs its blocks as a one-device program on the data it
         keeps. The caller's program stays a one-device program, so values,
-        gradients and NUTS draws are bitwise those of ``SerialExecutor``.
+        gradients and NUTS draws are bitwise those of ``SerialExecutor``. CPU
+        devices only: on a GPU it stalled, so there it warns and runs ``"graph"``.
         ``"auto"`` (default): the same, but small or fast work (and everything when
         there is one device) stays in the caller's program on its own device, run
         as ``SerialExecutor`` runs it; which of the two is measured once per call
@@ -79,7 +101,10 @@ class DeviceExecutor(Executor):
     Warns
     -----
     UserWarning
-        With one device: it works, but nothing runs in parallel.
+        Once, when made, with every reason that applies: with one device it works,
+        but nothing runs in parallel; on a GPU (or another accelerator)
+        ``dispatch="host"`` runs ``"graph"`` instead, and where the blocks stay on one
+        GPU every route measured slower than plain NumPyro.
 
     Notes
     -----
@@ -108,6 +133,10 @@ class DeviceExecutor(Executor):
 
     def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = False):
         devices = _check_devices(devices)
+        notes = []
+        if devices[0].platform != "cpu" and dispatch == "host":
+            notes.append(HOST_ROUTE_WAITS.format(platform=devices[0].platform))
+            dispatch = "graph"
         super().__init__(dispatch=dispatch, count_calls=count_calls)
         self._devices = devices
         self._mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
@@ -117,13 +146,18 @@ class DeviceExecutor(Executor):
         self._shares: dict = {}  # id(state) -> [DeviceShare] per device: host
         self._params: dict = {}  # id(state) -> _Params, as traced: graph
         self._threads = ThreadExecutor(len(devices))  # starts the devices' chunks
-        if len(devices) == 1:
-            warnings.warn(
-                f"DeviceExecutor: only one device ({devices[0]}), so the blocks run one after "
+        if devices[0].platform != "cpu" and (len(devices) == 1 or self.dispatch == "auto"):
+            notes.append(ONE_ACCELERATOR_LOSES.format(platform=devices[0].platform)
+                         + (SEVERAL_ACCELERATORS.format(n=len(devices))
+                            if len(devices) > 1 else ""))
+        elif len(devices) == 1:
+            notes.append(
+                f"only one device ({devices[0]}), so the blocks run one after "
                 "another. For N CPU devices start Python with "
                 "XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax is "
-                "imported); on GPUs make more of them visible (CUDA_VISIBLE_DEVICES).",
-                UserWarning, stacklevel=2)
+                "imported); on GPUs make more of them visible (CUDA_VISIBLE_DEVICES).")
+        if notes:  # one warning, however many reasons
+            warnings.warn("DeviceExecutor: " + " ".join(notes), UserWarning, stacklevel=2)
 
     @property
     def devices(self) -> tuple:
@@ -141,8 +175,10 @@ class DeviceExecutor(Executor):
         return super().decide(state)
 
     def can_use_host(self, state) -> bool:
-        """As :meth:`Executor.can_use_host`; never inside ``pmap`` (in place)."""
-        return not _in_place() and super().can_use_host(state)
+        """As :meth:`Executor.can_use_host`; never inside ``pmap`` (in place), nor on an
+        accelerator (see :data:`HOST_ROUTE_WAITS`)."""
+        return (self._devices[0].platform == "cpu" and not _in_place()
+                and super().can_use_host(state))
 
     def _mapped(self, state) -> bool:
         """Whether ``state``'s graph path is the ``shard_map`` over the devices."""
