@@ -7,16 +7,18 @@ when a name is asked for.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import threading
 from importlib.metadata import entry_points
 
 from .base import Executor
 from .serial import SerialExecutor
 from .thread import ThreadExecutor
 
-__all__ = ["get_executor_class", "known_executors", "make_executor", "resolve_executor",
-           "use_executor", "set_default_executor", "get_default_executor"]
+__all__ = ["get_executor_class", "known_executors", "make_executor", "named_executor",
+           "resolve_executor", "use_executor", "set_default_executor", "get_default_executor"]
 
 _BUILTIN = {"serial": SerialExecutor, "thread": ThreadExecutor}
 _GROUP = "parallel_backend.executors"
@@ -50,6 +52,40 @@ def get_executor_class(name: str) -> type:
 def make_executor(name: str, **kwargs) -> Executor:
     """Make an executor by name, e.g. ``make_executor("thread", workers=2)``."""
     return get_executor_class(name)(**kwargs)
+
+
+_named: dict = {}  # name -> the one executor of that name in this process
+_named_lock = threading.Lock()
+
+
+def named_executor(name: str) -> Executor:
+    """The one executor of this process for ``name`` (``executor="thread"``,
+    ``use_executor("dask")``): made with default settings on first use, made again only
+    after it was closed, and closed at exit. A model traced again and again under a name
+    reuses it: no thread pool or cluster per trace.
+
+    Examples
+    --------
+    >>> named_executor("serial") is named_executor("serial")
+    True
+    """
+    with _named_lock:
+        ex = _named.get(name)
+        if ex is None or ex.closed:
+            ex = _named[name] = make_executor(name)
+        return ex
+
+
+@atexit.register
+def _close_named() -> None:
+    with _named_lock:
+        made = list(_named.values())
+        _named.clear()
+    for ex in made:
+        try:
+            ex.close()
+        except Exception:  # noqa: BLE001 - at exit, a failing close must not hide others
+            pass
 
 
 _default: Executor | None = None
@@ -105,6 +141,6 @@ def _coerce(executor, where: str) -> Executor:
     if isinstance(executor, Executor):
         return executor
     if isinstance(executor, str):
-        return make_executor(executor)
+        return named_executor(executor)
     raise TypeError(f"{where}: expected an Executor or an executor name "
                     f"(one of {known_executors()}), got {type(executor).__name__}")

@@ -97,44 +97,39 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
     """
     rec = run_record(mcmc, model, model_args, model_kwargs)
     given_dims, dims = dims, dict(dims or {})
-    own = isinstance(executor, str)  # made here from a name: closed when done
     ex = resolve_executor(executor)
-    try:
-        flat = jax.tree.map(lambda x: np.reshape(np.asarray(x), (-1,) + np.shape(x)[2:]),
-                            rec.samples)
-        sites = _factor_sites(rec, flat) if rec.model is not None else {}
-        # from_numpyro replays the model for observed_data: keep that evaluation off the
-        # caller's executor. A pb.factor site's dims are its rows', not its empty value's.
-        with quietly():
-            # dims=None lets ArviZ infer them from plates, as from_numpyro does.
-            base = container.from_numpyro(
-                rec, coords=coords, **from_numpyro_kwargs,
-                dims=None if given_dims is None else
-                {k: v for k, v in dims.items() if k not in sites})
-        groups, root = container.parts(base)
-        # A pb.factor site is observed at an empty value (as numpyro.factor): not data.
-        if "observed_data" in groups:
-            keep = [v for v in groups["observed_data"].data_vars
-                    if sites.get(v, {}).get("kind", "observe") == "observe"]
-            groups["observed_data"] = groups["observed_data"][keep]
-            if not keep:
-                del groups["observed_data"]
-        if posterior_predictive is True and rec.model is not None:
-            pp = _posterior_predictive(rec, flat, groups, predictive_seed, coords)
-            if pp is not None:
-                groups["posterior_predictive"] = pp
-        info = {}
-        if log_likelihood and rec.model is not None:
-            ll, info = _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims,
-                                       chunk_draws, chunk_rows)
-            if ll is not None:
-                groups["log_likelihood"] = ll
-        if factor_data and sites:
-            _add_constant_rows(groups, sites, coords, dims)
-        stats = ex.stats()
-    finally:
-        if own:
-            ex.close()
+    flat = jax.tree.map(lambda x: np.reshape(np.asarray(x), (-1,) + np.shape(x)[2:]),
+                        rec.samples)
+    sites = _factor_sites(rec, flat) if rec.model is not None else {}
+    # from_numpyro replays the model for observed_data: keep that evaluation off the
+    # caller's executor. A pb.factor site's dims are its rows', not its empty value's.
+    with quietly():
+        # dims=None lets ArviZ infer them from plates, as from_numpyro does.
+        base = container.from_numpyro(
+            rec, coords=coords, **from_numpyro_kwargs,
+            dims=None if given_dims is None else
+            {k: v for k, v in dims.items() if k not in sites})
+    groups, root = container.parts(base)
+    # A pb.factor site is observed at an empty value (as numpyro.factor): not data.
+    if "observed_data" in groups:
+        keep = [v for v in groups["observed_data"].data_vars
+                if sites.get(v, {}).get("kind", "observe") == "observe"]
+        groups["observed_data"] = groups["observed_data"][keep]
+        if not keep:
+            del groups["observed_data"]
+    if posterior_predictive is True and rec.model is not None:
+        pp = _posterior_predictive(rec, flat, groups, predictive_seed, coords)
+        if pp is not None:
+            groups["posterior_predictive"] = pp
+    info = {}
+    if log_likelihood and rec.model is not None:
+        ll, info = _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims,
+                                   chunk_draws, chunk_rows)
+        if ll is not None:
+            groups["log_likelihood"] = ll
+    if factor_data and sites:
+        _add_constant_rows(groups, sites, coords, dims)
+    stats = ex.stats()
     root.update({
         "parallel_backend_version": pb.__version__,
         "executor": stats["executor"],

@@ -177,56 +177,51 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
                 return load(path)
             ckpt.warn_versions(saved, path)
 
-    own = isinstance(executor, str)
     ex = resolve_executor(executor)
-    try:
-        history = ckpt.History(saved, num_warmup + num_samples,
-                               lanes.kind == "each" and num_chains > 1)
-        progress = Progress(ex, num_chains, num_warmup, num_samples,
-                            enabled=bool(progress_bar) and terminal(), done=history.transitions,
-                            resumed_from=history.resumed_at, resume_count=history.count)
-        # A copy: NumPyro's HMC keeps what init builds (a vectorized init wraps its
-        # sample function in vmap), so a kernel used twice must start afresh.
-        kernel = copy.copy(kernel)
-        fields = collected_fields(kernel, HMC_EXTRA_FIELDS if isinstance(kernel, HMC) else ())
-        chains = Chains(kernel, lanes, fields, num_chains, num_warmup, num_samples,
-                        model_args, model_kwargs, progress.tick)
-        on_segment = None
-        with pb.use_executor(ex), progress:
-            one, draws = chains.start(key, init_params, resume=saved is not None)
-            print_.update(signature(one, draws))
-            if saved is not None:
-                check(saved, print_, path)
-                names = draw_names(fields, draws)
-                chains.restore(unpack(saved.state, jax.tree.leaves(to_host(one))),
-                               [saved.draws[n] for n in names], saved.done)
-            if path is not None:
-                on_segment = ckpt.writer(path, chains, fields, draws, print_, history, progress)
-            tuner = Tuner(chains.segments, progress)
-            chains.run(checkpoint_every if path is not None else None, on_segment, tuner)
-            progress.finish()
-            tuner.count_graph_evaluations()
-        attrs = {"chain_method": chain_method if isinstance(chain_method, str) else "callable",
-                 "num_warmup": int(num_warmup), **history.attrs(progress.seconds)}
-        # From here on the draws exist: whatever fails must not lose them.
-        try:
-            run = to_arviz(chains.result(), executor=ex, attrs=attrs,
-                           **({"posterior_predictive": True,
-                               "predictive_seed": jax.random.fold_in(key, 1)}
-                              if posterior_predictive else {}), **(arviz_kwargs or {}))
-        except Exception as e:
-            raise _rescue(e, path, chains, fields, draws, print_, history, progress) from e
+    history = ckpt.History(saved, num_warmup + num_samples,
+                           lanes.kind == "each" and num_chains > 1)
+    progress = Progress(ex, num_chains, num_warmup, num_samples,
+                        enabled=bool(progress_bar) and terminal(), done=history.transitions,
+                        resumed_from=history.resumed_at, resume_count=history.count)
+    # A copy: NumPyro's HMC keeps what init builds (a vectorized init wraps its
+    # sample function in vmap), so a kernel used twice must start afresh.
+    kernel = copy.copy(kernel)
+    fields = collected_fields(kernel, HMC_EXTRA_FIELDS if isinstance(kernel, HMC) else ())
+    chains = Chains(kernel, lanes, fields, num_chains, num_warmup, num_samples,
+                    model_args, model_kwargs, progress.tick)
+    on_segment = None
+    with pb.use_executor(ex), progress:
+        one, draws = chains.start(key, init_params, resume=saved is not None)
+        print_.update(signature(one, draws))
+        if saved is not None:
+            check(saved, print_, path)
+            names = draw_names(fields, draws)
+            chains.restore(unpack(saved.state, jax.tree.leaves(to_host(one))),
+                           [saved.draws[n] for n in names], saved.done)
         if path is not None:
-            try:
-                ckpt.finish(path, run, print_)
-            except Exception as e:  # noqa: BLE001 - the run is in hand; the file has the draws
-                warnings.warn(f"sample: the finished run could not be written to {path!r} "
-                              f"({type(e).__name__}: {e}); it is returned, and the file still "
-                              "holds every draw as an unfinished checkpoint", stacklevel=2)
-        return run
-    finally:
-        if own:
-            ex.close()
+            on_segment = ckpt.writer(path, chains, fields, draws, print_, history, progress)
+        tuner = Tuner(chains.segments, progress)
+        chains.run(checkpoint_every if path is not None else None, on_segment, tuner)
+        progress.finish()
+        tuner.count_graph_evaluations()
+    attrs = {"chain_method": chain_method if isinstance(chain_method, str) else "callable",
+             "num_warmup": int(num_warmup), **history.attrs(progress.seconds)}
+    # From here on the draws exist: whatever fails must not lose them.
+    try:
+        run = to_arviz(chains.result(), executor=ex, attrs=attrs,
+                       **({"posterior_predictive": True,
+                           "predictive_seed": jax.random.fold_in(key, 1)}
+                          if posterior_predictive else {}), **(arviz_kwargs or {}))
+    except Exception as e:
+        raise _rescue(e, path, chains, fields, draws, print_, history, progress) from e
+    if path is not None:
+        try:
+            ckpt.finish(path, run, print_)
+        except Exception as e:  # noqa: BLE001 - the run is in hand; the file has the draws
+            warnings.warn(f"sample: the finished run could not be written to {path!r} "
+                          f"({type(e).__name__}: {e}); it is returned, and the file still "
+                          "holds every draw as an unfinished checkpoint", stacklevel=2)
+    return run
 
 
 class ConversionError(RuntimeError):
