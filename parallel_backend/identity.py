@@ -4,56 +4,80 @@ NumPyro traces a model again for every ``run``, ``Predictive`` and ``log_likelih
 and a model that builds its data itself (``y[:, None]``, ``x.astype(...)``) hands
 ``reduce_sum`` a new array object each time. A site keyed by the array's ``id()`` was
 prepared again at every trace, and forgotten when that temporary died. Here a site's
-key is made of its function (code and what it closes over), the structure, shapes
-and dtypes of its arguments, the block plan, the precision and a digest of the
-*content* of its resident data, so every trace of the same model finds the same site.
+key is made of its function (code, what it closes over and the global arrays it
+reads), the structure, shapes and dtypes of its arguments, the block plan, the
+precision and a digest of the *content* of its resident data, so every trace of the
+same model finds the same site.
 
-Digests are memoized per live array (a weak reference guards against a reused
-``id``), so an array is hashed once however often it is traced. Imports numpy,
-hashlib and the standard library.
+A key is true only while what it describes cannot change. A JAX array cannot, so its
+digest is remembered while it lives (a weak reference guards against a reused ``id``).
+A NumPy array can be changed in place between two fits, so it is hashed again at every
+trace, and a site keeps a copy of it, and of the NumPy arrays its function closes over
+(:func:`snapshot`, :func:`frozen`), so that what the site holds is what its key says
+whatever the user does to the arrays afterwards. Anything else (an object that is
+neither a value, an array, a container nor a function) is keyed by identity, and the
+key holds it, so that its ``id`` cannot be reused while the key lives. Imports jax,
+numpy, hashlib and the standard library.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import threading
 import types
 import weakref
 
+import jax
 import numpy as np
 
-__all__ = ["digest", "function_key", "site_key"]
+__all__ = ["digest", "frozen", "function_key", "site_key", "snapshot"]
+
+#: How deep :func:`function_key` and :func:`frozen` follow functions, containers and
+#: callable objects (a cycle ends here too).
+MAX_DEPTH = 8
 
 _lock = threading.Lock()
-_memo: dict = {}  # id(array) -> (weakref to it, digest)
+_memo: dict = {}  # id(jax.Array) -> (weakref to it, digest); JAX arrays only
 
 
 def digest(x) -> str:
-    """A digest of an array's dtype, shape and bytes (memoized while the array lives).
+    """A digest of an array's dtype, shape and bytes.
+
+    A ``jax.Array`` is hashed once while it lives (it cannot change); any other array
+    (a NumPy array can be changed in place) is hashed at every call.
 
     Examples
     --------
     >>> import numpy as np
-    >>> digest(np.arange(3.0)) == digest(np.arange(3.0)), digest(np.arange(3.0)) == digest(np.ones(3))
+    >>> a = np.arange(3.0)
+    >>> before = digest(a)
+    >>> a[0] = 7.0
+    >>> before == digest(np.arange(3.0)), before == digest(a)
     (True, False)
     """
-    key = id(x)
-    with _lock:
-        hit = _memo.get(key)
-    if hit is not None and hit[0]() is x:
-        return hit[1]
+    immutable = isinstance(x, jax.Array)
+    if immutable:
+        key = id(x)
+        with _lock:
+            hit = _memo.get(key)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
     a = np.ascontiguousarray(np.asarray(x))
-    h = hashlib.blake2b(digest_size=16)
+    # sha256: NumPy data is hashed at every trace, and with the SHA instructions of
+    # current CPUs it is the fastest of hashlib's hashes.
+    h = hashlib.sha256()
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(memoryview(a).cast("B") if a.size else b"")
     out = h.hexdigest()
-    try:
-        ref = weakref.ref(x, functools.partial(_drop, key))
-    except TypeError:  # not weakly referenceable: hashed again next time
-        return out
-    with _lock:
-        _memo[key] = (ref, out)
+    if immutable:
+        try:
+            ref = weakref.ref(x, functools.partial(_drop, key))
+        except TypeError:  # not weakly referenceable: hashed again next time
+            return out
+        with _lock:
+            _memo[key] = (ref, out)
     return out
 
 
@@ -64,13 +88,39 @@ def _drop(key, ref) -> None:
             del _memo[key]
 
 
+def snapshot(x):
+    """``x``, or a copy of it where it can change in place (a NumPy array): what a site
+    keeps of the user's data."""
+    return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+
+
+class Same:
+    """A key part that is its object, by identity; holding the object, it keeps the
+    object's ``id`` from being reused while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"Same({type(self.obj).__name__})"
+
+
 def function_key(fn, _depth: int = 0):
     """A hashable key under which a function rebuilt at every trace (a closure defined
-    inside the model, a ``functools.partial``) is the same function: its code and the
-    keys of what it closes over (arrays by content, functions recursively, scalars and
-    strings by value, anything else by identity)."""
-    if _depth > 8:
-        return ("deep", id(fn))
+    inside the model, a ``functools.partial``, a callable object) is the same function:
+    its code, the keys of what it closes over (arrays by content, functions and callable
+    objects recursively, containers item by item, scalars and strings by value, anything
+    else by identity) and the digests of the global arrays its code names."""
+    if _depth > MAX_DEPTH:
+        return ("deep", Same(fn))
     if isinstance(fn, functools.partial):
         return ("partial", function_key(fn.func, _depth + 1),
                 tuple(_value_key(a, _depth) for a in fn.args),
@@ -79,7 +129,10 @@ def function_key(fn, _depth: int = 0):
         return ("method", function_key(fn.__func__, _depth + 1), _value_key(fn.__self__, _depth))
     code = getattr(fn, "__code__", None)
     if code is None:
-        return ("object", id(fn))
+        if _is_callable_object(fn):
+            return ("callable", Same(type(fn)), function_key(type(fn).__call__, _depth + 1),
+                    tuple((k, _value_key(v, _depth)) for k, v in vars(fn).items()))
+        return ("object", Same(fn))
     cells = []
     for cell in fn.__closure__ or ():
         try:
@@ -87,24 +140,162 @@ def function_key(fn, _depth: int = 0):
         except ValueError:  # an empty cell (a name not yet bound)
             cells.append(("empty",))
     defaults = tuple(_value_key(d, _depth) for d in (fn.__defaults__ or ()))
-    return ("function", code, tuple(cells), defaults)
+    kwdefaults = tuple((k, _value_key(v, _depth))
+                       for k, v in sorted((fn.__kwdefaults__ or {}).items()))
+    return ("function", code, tuple(cells), defaults, kwdefaults, _global_arrays(fn))
+
+
+def _global_arrays(fn) -> tuple:
+    """``(name, digest)`` of the arrays among the globals ``fn``'s code (and the code
+    nested in it) names: data a function reads from its module is part of it too."""
+    found = getattr(fn, "__globals__", None) or {}
+    out = []
+    for name in sorted(_names(fn.__code__)):
+        v = found.get(name)
+        if v is not None and _is_array(v):
+            try:
+                out.append((name, digest(v)))
+            except Exception:  # noqa: BLE001 - an array without host bytes: by identity
+                out.append((name, Same(v)))
+    return tuple(out)
+
+
+def _names(code, depth: int = 0) -> set:
+    names = set(code.co_names)
+    if depth < MAX_DEPTH:
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                names |= _names(c, depth + 1)
+    return names
+
+
+def _is_array(v) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "__array__")
+
+
+def _is_callable_object(fn) -> bool:
+    """An instance whose class defines ``__call__`` in Python, with attributes of its own
+    (a callable that ``reduce_sum``'s callers build at every trace)."""
+    return (callable(fn) and isinstance(type(fn).__call__, types.FunctionType)
+            and isinstance(getattr(fn, "__dict__", None), dict))
 
 
 def _value_key(v, depth: int):
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
         return ("value", type(v).__name__, v)
-    if hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "__array__"):
+    if _is_array(v):
         try:
             return ("array", digest(v))
         except Exception:  # noqa: BLE001 - a tracer or an array without host bytes
-            return ("id", id(v))
-    if callable(v):
-        return function_key(v, depth + 1)
-    if isinstance(v, (tuple, list)):
-        return (type(v).__name__, tuple(_value_key(x, depth + 1) for x in v))
+            return ("same", Same(v))
     if isinstance(v, types.ModuleType):
         return ("module", v.__name__)
-    return ("id", id(v))
+    if callable(v):
+        return function_key(v, depth + 1)
+    if depth > MAX_DEPTH:
+        return ("deep", Same(v))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x, depth + 1) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((_value_key(k, depth + 1), _value_key(x, depth + 1))
+                              for k, x in v.items()))
+    return ("same", Same(v))
+
+
+def frozen(fn):
+    """``fn``, or, where it holds NumPy arrays (closed over, as defaults, as a
+    ``functools.partial``'s arguments or a callable object's attributes: what
+    :func:`function_key` keys by content), the same function over copies of them.
+
+    A site traces ``fn``'s block programs later (at its first evaluation, on a dask
+    worker); over the user's arrays it would compute with whatever they hold then,
+    not with what its key says. Global arrays are keyed, not copied.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> def scaled(w):
+    ...     return lambda x: x * w
+    >>> w = np.ones(2)
+    >>> f = frozen(scaled(w))
+    >>> w[:] = 5.0
+    >>> f(1.0).tolist()
+    [1.0, 1.0]
+    """
+    return _freeze(fn, 0)
+
+
+def _freeze(v, depth: int):
+    if isinstance(v, np.ndarray):
+        return snapshot(v)
+    if depth > MAX_DEPTH or v is None or isinstance(v, (bool, int, float, complex, str, bytes,
+                                                        types.ModuleType, type)):
+        return v
+    if isinstance(v, functools.partial):
+        func = _freeze(v.func, depth + 1)
+        args = tuple(_freeze(a, depth + 1) for a in v.args)
+        keywords = {k: _freeze(x, depth + 1) for k, x in v.keywords.items()}
+        if _same(func, v.func) and _same(args, v.args) and _same(keywords, v.keywords):
+            return v
+        return functools.partial(func, *args, **keywords)
+    if isinstance(v, types.MethodType):
+        func = _freeze(v.__func__, depth + 1)
+        return v if func is v.__func__ else types.MethodType(func, v.__self__)
+    if isinstance(v, types.FunctionType):
+        return _freeze_function(v, depth)
+    if _is_callable_object(v):
+        attrs = {k: _freeze(x, depth + 1) for k, x in vars(v).items()}
+        if _same(attrs, vars(v)):
+            return v
+        try:
+            out = copy.copy(v)
+            out.__dict__.update(attrs)
+        except Exception:  # noqa: BLE001 - not copyable: keyed by content, kept as it is
+            return v
+        return out
+    if isinstance(v, (tuple, list)):
+        items = [_freeze(x, depth + 1) for x in v]
+        if _same(items, v):
+            return v
+        if isinstance(v, list):
+            return items
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+    if isinstance(v, dict):
+        items = {k: _freeze(x, depth + 1) for k, x in v.items()}
+        return v if _same(items, v) else items
+    return v
+
+
+def _freeze_function(fn, depth: int):
+    closure, changed = [], False
+    for cell in fn.__closure__ or ():
+        try:
+            old = cell.cell_contents
+        except ValueError:  # an empty cell (a name not yet bound)
+            closure.append(cell)
+            continue
+        new = _freeze(old, depth + 1)
+        # A cell left as it was stays shared with whoever shares it.
+        closure.append(cell if new is old else types.CellType(new))
+        changed |= new is not old
+    defaults = tuple(_freeze(d, depth + 1) for d in (fn.__defaults__ or ()))
+    kwdefaults = {k: _freeze(x, depth + 1) for k, x in (fn.__kwdefaults__ or {}).items()}
+    if (not changed and _same(defaults, fn.__defaults__ or ())
+            and _same(kwdefaults, fn.__kwdefaults__ or {})):
+        return fn
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults or None,
+                             tuple(closure) or None)
+    out.__kwdefaults__ = kwdefaults or None
+    out.__qualname__, out.__module__, out.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    out.__dict__.update(fn.__dict__)
+    return out
+
+
+def _same(new, old) -> bool:
+    """Whether :func:`_freeze` left every item of ``old`` as it was."""
+    if isinstance(old, dict):
+        return all(new[k] is x for k, x in old.items())
+    return all(a is b for a, b in zip(new, old))
 
 
 def site_key(fn, data_treedef, shared_treedef, plan, x64: bool, resident, leaf_avals,

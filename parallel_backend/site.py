@@ -7,8 +7,9 @@ and where ``pb.sample`` measured them faster, the adaptive chunker. Executors ho
 their states in a :class:`SiteCache`, keyed by what a site is
 (:func:`~parallel_backend.identity.site_key`: its function and the content of its
 data, never an ``id()``), so every trace of a model finds its sites again; the cache
-holds copies of the data, never the user's arrays, and is bounded (least recently
-used out first). Imports jax, numpy and the core.
+holds copies of the data, never the user's arrays (a NumPy array is copied when the
+site is made, so what a site holds is what its key says), and is bounded (least
+recently used out first). Imports jax, numpy and the core.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import OrderedDict
 import jax
 
 from .chunking import AdaptiveChunker, Chunk
+from .identity import frozen, snapshot
 from .spec import Program, SiteSpec, host_device
 
 __all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly", "MAX_SITES", "MAX_SITE_BYTES"]
@@ -125,11 +127,15 @@ class SiteState:
     """
 
     def __init__(self, spec: SiteSpec, resident_leaves, workers: int):
-        self.spec = spec
+        # Made while the call that keyed the site is traced: copies of the NumPy arrays
+        # it keeps (its data, and what fn closes over), so that it prepares, traces and
+        # sends what its key says even if the user changes them in place afterwards.
+        fn = frozen(spec.fn)
+        self.spec = spec if fn is spec.fn else spec._replace(fn=fn)
         self.decision = None
         self.measured = None
         self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
-        self._resident_leaves = tuple(resident_leaves)
+        self._resident_leaves = tuple(snapshot(x) for x in resident_leaves)
         self._lock = threading.Lock()
         self._program = None
         self._prepared = None

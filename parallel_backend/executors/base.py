@@ -57,7 +57,7 @@ class Executor:
         self.count_calls = bool(count_calls)
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
-        self._counters: dict = {}  # id(state) -> (state, GraphCounter)
+        self._counters: dict = {}  # SiteState (by identity) -> GraphCounter
         self._closed = False
         self._created = time.time()
         self._counts = dict(calls=0, graph_calls=0, host_calls=0, chunks=0, rows=0,
@@ -147,10 +147,10 @@ class Executor:
     def graph_counter(self, state: SiteState) -> GraphCounter:
         """The counter compiled into ``state``'s graph evaluations (made on first use)."""
         with self._lock:
-            entry = self._counters.get(id(state))
-            if entry is None or entry[0] is not state:
-                entry = self._counters[id(state)] = (state, GraphCounter())
-            return entry[1]
+            counter = self._counters.get(state)
+            if counter is None:
+                counter = self._counters[state] = GraphCounter()
+            return counter
 
     def count_sampled(self, state: SiteState, calls: int, batches: int) -> None:
         """Add ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
@@ -167,18 +167,19 @@ class Executor:
 
     def _graph_calls(self, state: SiteState) -> tuple[int, int]:
         with self._lock:
-            entry = self._counters.get(id(state))
+            counter = self._counters.get(state)
             calls, batches = state.sampled
-        if entry is not None and entry[0] is state:
-            c, b = entry[1].counts()
+        if counter is not None:
+            c, b = counter.counts()
             calls, batches = calls + c, batches + b
         return calls, batches
 
     def _retire(self, state: SiteState) -> None:
-        """A forgotten state's graph counts stay in the totals."""
+        """A forgotten state's graph counts stay in the totals. Subclasses that keep
+        something per site (worker-resident data, device buffers) drop it here too."""
         calls, batches = self._graph_calls(state)
         with self._lock:
-            self._counters.pop(id(state), None)
+            self._counters.pop(state, None)
         if calls:
             self.count(**self.graph_counts(state, calls, batches))
 

@@ -105,7 +105,7 @@ class DaskExecutor(Executor):
             self._cluster = cluster.local_cluster(n_workers, threads_per_worker)
             self._client = Client(self._cluster, timeout=self.timeout, set_as_default=False)
         self._plugin = f"parallel_backend-{uuid.uuid4().hex[:12]}"
-        self._remotes: dict = {}  # id(state) -> RemoteSite
+        self._remotes: dict = {}  # SiteState (by identity) -> RemoteSite, while cached
         # (data token, shards) -> shard placement, shared by every site over the same data,
         # so a re-traced model finds its data where it was sent before.
         self._placements: dict = {}
@@ -147,9 +147,9 @@ class DaskExecutor(Executor):
 
     def _remote(self, state) -> RemoteSite:
         with self._remote_lock:
-            r = self._remotes.get(id(state))
-            if r is None or r.state is not state:
-                r = self._remotes[id(state)] = RemoteSite(state, self.workers)
+            r = self._remotes.get(state)
+            if r is None:
+                r = self._remotes[state] = RemoteSite(state, self.workers)
                 r.placement = self._placements.setdefault((r.data_token, len(r.shards)),
                                                           r.placement)
             return r
@@ -174,6 +174,11 @@ class DaskExecutor(Executor):
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
         return 0  # counted message by message in _call
+
+    def _retire(self, state) -> None:
+        super()._retire(state)
+        with self._remote_lock:  # what the client kept of a forgotten site goes with it
+            self._remotes.pop(state, None)
 
     async def _run(self, r: RemoteSite, tasks, evaluation) -> dict:
         done: dict = {}

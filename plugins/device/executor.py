@@ -142,9 +142,10 @@ class DeviceExecutor(Executor):
         self._mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
         self._sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
         self._place_lock = threading.Lock()
-        self._placed: dict = {}  # id(state) -> (layout, data on the devices): graph
-        self._shares: dict = {}  # id(state) -> [DeviceShare] per device: host
-        self._params: dict = {}  # id(state) -> _Params, as traced: graph
+        # Per SiteState (by identity), while the executor caches the site:
+        self._placed: dict = {}  # -> (state, layout, data on the devices): graph
+        self._shares: dict = {}  # -> [DeviceShare] per device: host
+        self._params: dict = {}  # -> _Params, as traced: graph
         self._threads = ThreadExecutor(len(devices))  # starts the devices' chunks
         if devices[0].platform != "cpu" and (len(devices) == 1 or self.dispatch == "auto"):
             notes.append(ONE_ACCELERATOR_LOSES.format(platform=devices[0].platform)
@@ -189,20 +190,20 @@ class DeviceExecutor(Executor):
     def _host_shares(self, state) -> list:
         """Each device's run of whole tiles and its data there, placed once."""
         with self._place_lock:
-            shares = self._shares.get(id(state))
-            if shares is None or shares[0].state is not state:
+            shares = self._shares.get(state)
+            if shares is None:
                 prepared = state.prepared()
                 shares = []
                 for dev, chunk in zip(self._devices, even_slots(state.spec.tiles, len(self._devices))):
                     a, b = chunk.first, chunk.first + chunk.count
                     resident = Resident(tuple(x[a:b] for x in prepared), a, state.spec.x64, dev)
                     shares.append(DeviceShare(state, dev, chunk, resident))
-                self._shares[id(state)] = shares
+                self._shares[state] = shares
         return shares
 
     def _release_shares(self, state) -> None:
         with self._place_lock:
-            shares = self._shares.pop(id(state), ())
+            shares = self._shares.pop(state, ())
         for share in shares:
             share.resident.delete()
 
@@ -235,8 +236,8 @@ class DeviceExecutor(Executor):
     def _place(self, state):
         """Lay out and place ``state``'s prepared data on the devices, once."""
         with self._place_lock:
-            placed = self._placed.get(id(state))
-            if placed is None or placed[0] is not state:
+            placed = self._placed.get(state)
+            if placed is None:
                 layout = self.layout(state)
                 prepared = state.prepared()
                 valid = state.program.valid  # spread with the data below, once
@@ -250,7 +251,7 @@ class DeviceExecutor(Executor):
                 # Called while the caller's function is traced: place the data now, not
                 # as an operation of that trace.
                 arrays = run_eagerly(put)
-                placed = self._placed[id(state)] = (state, layout, arrays[:-1], arrays[-1])
+                placed = self._placed[state] = (state, layout, arrays[:-1], arrays[-1])
         return placed[1:]
 
     def graph_partials(self, state, traced, shared, diff_traced, diff_shared, set_axes=None):
@@ -266,9 +267,9 @@ class DeviceExecutor(Executor):
         traced, shared = tuple(traced), tuple(shared)
         mapped = self._mapped(state) and not _in_place()
         with self._place_lock:
-            self._params[id(state)] = _Params(sum(_nbytes(s) for s in shared),
-                                              sum(_nbytes(t) for t in traced),
-                                              self.layout(state).active if mapped else 1)
+            self._params[state] = _Params(sum(_nbytes(s) for s in shared),
+                                          sum(_nbytes(t) for t in traced),
+                                          self.layout(state).active if mapped else 1)
         if not mapped:
             return super().graph_partials(state, traced, shared, diff_traced, diff_shared,
                                           set_axes)
@@ -320,7 +321,7 @@ class DeviceExecutor(Executor):
 
     def graph_counts(self, state, calls: int, batches: int) -> dict:
         """Graph evaluations: a block run per busy device each (one in place)."""
-        info = self._params.get(id(state)) or _Params(0, 0, 1)
+        info = self._params.get(state) or _Params(0, 0, 1)
         out = super().graph_counts(state, calls, batches)
         out["chunks"] = calls * info.devices
         if info.devices > 1:
@@ -351,7 +352,7 @@ class DeviceExecutor(Executor):
                 entry["chunk_rows"] = [min(lay.local_rows, state.spec.plan.n_rows)]
                 entry["devices"] = lay.active
             elif state.decision == "host":
-                shares = self._shares.get(id(state), ())
+                shares = self._shares.get(state, ())
                 entry["devices"] = len(shares)
                 if shares:  # a chunk never spans two devices' data
                     most = max(s.chunk.count for s in shares) * state.spec.plan.block_rows
@@ -361,6 +362,14 @@ class DeviceExecutor(Executor):
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
         out["devices"] = [str(d) for d in self._devices]
         return out
+
+    def _retire(self, state) -> None:
+        super()._retire(state)  # reads the site's _Params
+        with self._place_lock:
+            # Dropped, not deleted: an evaluation still running holds its own references,
+            # and the buffers are freed with the last of them.
+            for held in (self._placed, self._shares, self._params):
+                held.pop(state, None)
 
     def release(self) -> None:
         self._threads.close()
