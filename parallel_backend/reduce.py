@@ -28,7 +28,7 @@ from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import detect_form, scan_reduce_per_row
-from .identity import site_key
+from .identity import site_key, snapshot
 from .site import SiteState
 from .spec import SiteSpec, combine
 
@@ -115,7 +115,9 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     executor = resolve_executor(executor)
     traced_mask = tuple(_is_traced(x) for x in leaves)
     x64 = bool(jax.config.jax_enable_x64)
-    resident = [x for x, t in zip(leaves, traced_mask) if not t]
+    # What the key hashes is what the site keeps: a NumPy leaf is copied first, so a change
+    # in place (by another thread, say) cannot part the key from the rows.
+    resident = [snapshot(x) for x, t in zip(leaves, traced_mask) if not t]
     key = site_key(fn, data_treedef, shared_treedef, plan, x64, resident,
                    [(jnp.shape(x), str(jnp.result_type(x)), t) for x, t in zip(leaves, traced_mask)],
                    [(jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves])
