@@ -8,8 +8,8 @@ Build (fails on any warning or broken reference)::
 ``docs/design.md`` and ``docs/performance.md`` stay Markdown (the benchmark runs
 update ``performance.md``); Sphinx reads only the ``.rst`` pages here, and the
 Performance page pulls the tables of ``performance.md`` in with the local
-``mdtables`` extension. The speedup plots are drawn at build time from
-``benchmarks/results/*.jsonl`` by ``benchmarks/plot_speedup.py``.
+``mdtables`` extension. Its plots are PNGs in ``docs/_static/``, drawn from the results
+files by ``python benchmarks/plots.py`` and committed; the build only shows them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(HERE, "_ext"))
 
 import parallel_backend  # noqa: E402
@@ -40,7 +39,7 @@ source_suffix = {".rst": "restructuredtext"}
 exclude_patterns = ["_build"]
 templates_path: list = []
 html_theme = "alabaster"
-html_static_path: list = []  # nothing static of our own; an empty folder is not kept by git
+html_static_path: list = []  # _static/ holds the plots, which the figure directive copies
 html_theme_options = {"description": "Parallel gradients for one NumPyro chain",
                       "fixed_sidebar": True}
 
@@ -80,19 +79,4 @@ doctest_global_cleanup = """
 pb.set_default_executor(None)
 """
 
-# The speedup plots: drawn from the benchmark results before the pages are read.
 mdtables_markdown_root = HERE
-
-
-def _draw_plots(app, config):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import plot_speedup
-    finally:
-        sys.path.pop(0)
-    plot_speedup.main([os.path.join(ROOT, "benchmarks", "results"),
-                       "--out", os.path.join(HERE, "_generated"), "--quiet"])
-
-
-def setup(app):
-    app.connect("config-inited", _draw_plots)
