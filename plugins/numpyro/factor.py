@@ -7,9 +7,11 @@ try:
 except ImportError as e:  # pragma: no cover - numpyro is a core dependency
     raise ImportError('parallel_backend.factor needs NumPyro: pip install "parallel-backend"') from e
 
+import jax
+
 import parallel_backend as pb
 
-from .replay import INFER_KEY, FactorUnit, factor_sites
+from .replay import INFER_KEY, FactorUnit, factor_sites, honour_plates
 
 __all__ = ["factor", "reduce_sum_sites"]
 
@@ -20,6 +22,12 @@ def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=No
     Like ``numpyro.factor``, but the log-density is evaluated chunk by chunk on an
     executor, and the site remembers ``fn``, ``data`` and ``shared`` so that the
     pointwise log-likelihood can be recomputed after sampling (LOO, WAIC).
+
+    Inside ``numpyro.plate`` over the rows it is the counterpart of
+    ``numpyro.factor(name, fn(data, *shared))``: the plate's scale (``N / B`` with
+    ``subsample_size=B``, whose rows the caller passes), ``handlers.scale`` with a scalar
+    and ``handlers.mask`` with a per-row or scalar mask apply as they do to that site. A
+    plate that would repeat the rows (another size at their dim) raises ``ValueError``.
 
     Parameters
     ----------
@@ -53,8 +61,12 @@ def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=No
                           block_rows=block_rows)
     # As numpyro.factor: a site of a Unit distribution observed at an empty value; the
     # distribution carries our inputs through handlers such as trace and substitute.
-    unit = FactorUnit(value, fn, data, shared, executor, grainsize, block_rows)
-    numpyro.sample(name, unit, obs=unit.sample(None), infer={"is_auxiliary": True, INFER_KEY: True})
+    leaves = jax.tree.leaves(data)
+    rows = int(jax.numpy.shape(leaves[0])[0]) if leaves else None
+    unit = FactorUnit(value, fn, data, shared, executor, grainsize, block_rows, rows)
+    with honour_plates(name, "factor", () if rows is None else (rows,), "its rows"):
+        numpyro.sample(name, unit, obs=unit.sample(None),
+                       infer={"is_auxiliary": True, INFER_KEY: True})
     return value
 
 

@@ -22,7 +22,7 @@ from numpyro.primitives import Messenger
 
 import parallel_backend as pb
 
-from .replay import INFER_KEY
+from .replay import INFER_KEY, honour_plates, plates_fit
 
 __all__ = ["observe", "ObservedRows", "RowLogProb", "unobserved"]
 
@@ -57,21 +57,36 @@ class ObservedRows(Distribution):
     ``sample`` a draw of ``dist_fn(data, *shared)``.
 
     ``batch_shape`` is ``()`` and ``event_shape`` ``obs``'s shape: NumPyro sums the
-    log-density of the rows once, as for ``numpyro.factor``. ``mask`` with an array of
-    per-row flags (``numpyro.handlers.mask``) masks rows inside the ``reduce_sum``.
+    log-density of the rows once, as for ``numpyro.factor``. ``rows_batch`` is the batch
+    shape of ``dist_fn(data, *shared)`` (it starts with the rows). Plates see it through
+    ``expand``, a checked no-op (:func:`.replay.plates_fit`): a plate over the rows
+    (subsampled or not) or over a later batch dim is already summed over, and its scale
+    multiplies the sum as it multiplies the plain site's. ``mask`` with a scalar or an
+    array of flags that broadcasts to ``rows_batch`` (``numpyro.handlers.mask``) masks
+    rows inside the ``reduce_sum``.
     """
 
     pytree_data_fields = ("data", "shared", "obs", "row_mask")
-    pytree_aux_fields = ("dist_fn", "executor", "grainsize", "block_rows", "name")
+    pytree_aux_fields = ("dist_fn", "executor", "grainsize", "block_rows", "name",
+                         "rows_batch", "unhonoured")
     pb_site = "observe"
 
     def __init__(self, name, dist_fn, data, shared, obs, executor=None, grainsize=None,
-                 block_rows=None, row_mask=None):
+                 block_rows=None, row_mask=None, rows_batch=None, unhonoured=None):
         self.name, self.dist_fn, self.data, self.shared, self.obs = (
             name, dist_fn, data, tuple(shared), obs)
         self.executor, self.grainsize, self.block_rows = executor, grainsize, block_rows
         self.row_mask = row_mask
+        if rows_batch is None:
+            rows_batch = _batch_shape(dist_fn, data, self.shared)
+        self.rows_batch, self.unhonoured = tuple(rows_batch), unhonoured
         super().__init__(batch_shape=(), event_shape=tuple(jnp.shape(obs)))
+
+    def _replace(self, **changes):
+        fields = {k: getattr(self, k) for k in (
+            "name", "dist_fn", "data", "shared", "obs", "executor", "grainsize", "block_rows",
+            "row_mask", "rows_batch", "unhonoured")}
+        return ObservedRows(**(fields | changes))
 
     @property
     def support(self):
@@ -94,7 +109,18 @@ class ObservedRows(Distribution):
                     shared=self.shared, executor=self.executor, grainsize=self.grainsize,
                     block_rows=self.block_rows, kind="observe")
 
+    def expand(self, batch_shape):
+        batch_shape = tuple(batch_shape)
+        if plates_fit(batch_shape, self.rows_batch):
+            return self
+        # Kept for the site's honour_plates check, which names the plates.
+        return self._replace(unhonoured=batch_shape)
+
     def log_prob(self, value):
+        if self.unhonoured is not None:
+            raise ValueError(f"pb.observe site {self.name!r}: expanded to batch shape "
+                             f"{self.unhonoured}, which does not lie within the site's batch "
+                             f"shape {self.rows_batch}")
         if value is not self.obs:  # not the site's own observations: the plain sum
             lp = self.full().log_prob(value)
             if self.row_mask is not None:
@@ -109,18 +135,21 @@ class ObservedRows(Distribution):
         return self.full().sample(key, sample_shape)
 
     def mask(self, mask):
-        if isinstance(mask, bool) or jnp.ndim(mask) == 0:
-            return super().mask(mask)
-        n = _rows(self.obs)
-        lead = _batch_shape(self.dist_fn, self.data, self.shared)
-        if not jnp.shape(mask) or jnp.shape(mask)[0] not in (1, n):
-            raise ValueError(f"pb.observe site {self.name!r}: a mask over rows must have "
-                             f"leading size {n} (the rows) or 1; got shape {jnp.shape(mask)}")
+        # Any mask but a Python bool goes inside the sum: a MaskedDistribution around this
+        # one would be expanded (broadcast) by the plates outside it. mask=False (which
+        # Predictive sets) gives zeros without evaluating anything, broadcast or not.
+        if isinstance(mask, bool):
+            return self if mask else super().mask(False)
+        lead = self.rows_batch
+        if not plates_fit(jnp.shape(mask), lead):
+            raise ValueError(f"pb.observe site {self.name!r}: a mask of shape "
+                             f"{jnp.shape(mask)} does not broadcast to the site's batch shape "
+                             f"{lead} (the rows first); a mask over rows has shape "
+                             f"({lead[0]},) + (1,) * {len(lead) - 1}, or {lead}")
         full = jnp.broadcast_to(jnp.asarray(mask, bool), lead)
         if self.row_mask is not None:
             full = full & self.row_mask
-        return ObservedRows(self.name, self.dist_fn, self.data, self.shared, self.obs,
-                            self.executor, self.grainsize, self.block_rows, full)
+        return self._replace(row_mask=full)
 
 
 def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=None,
@@ -128,7 +157,11 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
     """An observed site over the rows of ``data``, evaluated as ``reduce_sum`` evaluates.
 
     The parallel counterpart of ``numpyro.sample(name, dist_fn(data, *shared), obs=obs)``
-    inside a plate over the rows.
+    inside a plate over the rows. It may sit inside that plate (with or without
+    ``subsample_size``; with it, pass the subsampled rows, ``X[idx]``, ``y[idx]``), inside
+    plates over later batch dims of ``dist_fn``'s, under ``handlers.scale`` with a scalar
+    and ``handlers.mask`` with a scalar or per-row mask: its log-density is the plain
+    site's in the same plates, scale and mask.
 
     Parameters
     ----------
@@ -156,7 +189,10 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
     ------
     ValueError
         ``dist_fn``'s batch shape does not start with the rows, or ``obs``'s shape does
-        not match the distribution's (message names the site, the argument and shapes).
+        not match the distribution's (message names the site, the argument and shapes);
+        a plate around the site that would repeat its rows (another size at their dim, or
+        a dim left of the batch shape), or an array ``scale`` (message names the plate,
+        its size and dim, and the shapes).
     TypeError
         Integer or boolean ``obs`` with a continuous distribution.
 
@@ -201,8 +237,10 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
         raise TypeError(f"pb.observe site {name!r}: obs has dtype {jnp.result_type(obs)} "
                         f"(discrete) but dist_fn returns a continuous distribution; pass float "
                         f"observations, or a discrete distribution")
-    site = ObservedRows(name, dist_fn, data, shared, obs, executor, grainsize, block_rows)
-    return numpyro.sample(name, site, obs=obs, infer={INFER_KEY: True})
+    site = ObservedRows(name, dist_fn, data, shared, obs, executor, grainsize, block_rows,
+                        rows_batch=batch)
+    with honour_plates(name, "observe", batch, f"the rows of data first; obs shape {shape}"):
+        return numpyro.sample(name, site, obs=obs, infer={INFER_KEY: True})
 
 
 def _data_rows(name, data) -> int:
@@ -223,10 +261,6 @@ def _broadcasts(shape, to) -> bool:
         return np.broadcast_shapes(shape, to) == tuple(to)
     except ValueError:
         return False
-
-
-def _rows(x) -> int:
-    return int(jnp.shape(x)[0])
 
 
 def _probe(name, dist_fn, data, shared):

@@ -5,8 +5,9 @@ executor that counts nothing, so a model replayed to find its sites or shapes ne
 shows in the caller's executor or its stats), :func:`trace_model` (a seeded, and
 optionally substituted, trace of a model), :class:`FactorUnit` (the distribution of a
 ``pb.factor`` site, which carries its inputs), :func:`factor_sites` (the ``pb.factor``
-sites of a trace) and :data:`HMC_EXTRA_FIELDS`. Imports numpyro and the core's public
-names.
+sites of a trace), :class:`honour_plates` and :func:`plates_fit` (how a site whose
+log-density is one sum over its rows meets the plates around it) and
+:data:`HMC_EXTRA_FIELDS`. Imports jax, numpyro and the core's public names.
 
 A site's inputs (``fn``, ``data``, ``shared``...) travel in its distribution, a pytree
 whose arrays are leaves, not in the site's ``infer`` dict: NumPyro and ArviZ keep
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 
+import jax.numpy as jnp
 from numpyro import handlers
 from numpyro.distributions import Unit
+from numpyro.primitives import Messenger
 
 import parallel_backend as pb
 
 __all__ = ["quietly", "trace_model", "factor_sites", "site_inputs", "FactorUnit",
-           "HMC_EXTRA_FIELDS", "INFER_KEY"]
+           "honour_plates", "plates_fit", "HMC_EXTRA_FIELDS", "INFER_KEY"]
 
 #: Key of a factor site's ``infer`` dict that marks it as a ``pb.factor`` site (a flag).
 INFER_KEY = "parallel_backend"
@@ -54,22 +57,122 @@ def trace_model(model, model_args=(), model_kwargs=None, *, params=None, substit
     return handlers.trace(seeded).get_trace(*model_args, **(model_kwargs or {}))
 
 
+# -- plates ---------------------------------------------------------------------------
+#
+# A pb site's log-density is one number, the sum over its rows (and over the batch dims
+# after them), so its distribution has batch shape (). A plate around it must not
+# broadcast that sum (Distribution.expand would: N plate entries, N copies of the sum);
+# the plate's scale (N / B for a subsample) and a scalar handlers.scale multiply the
+# sum exactly as they multiply the plain site's summed log-probs. So a pb site's
+# ``expand`` is a check, not a broadcast: a plate stack whose dims lie within the rows'
+# batch shape (each its size there, or 1) is already summed over; any other plate would
+# replicate the rows in the plain model, and is an error that names the plate.
+
+
+def plates_fit(shape, batch) -> bool:
+    """Whether a plate stack's batch ``shape`` lies within a site's own ``batch`` shape
+    (right-aligned, as NumPyro aligns plate dims): each dim 1 or the site's size there,
+    and dims left of the site's all 1."""
+    shape, batch = tuple(shape), tuple(batch)
+    extra = len(shape) - len(batch)
+    if extra > 0 and any(s != 1 for s in shape[:extra]):
+        return False
+    inner = shape[max(extra, 0):]
+    return all(s in (1, b) for s, b in zip(inner, batch[len(batch) - len(inner):]))
+
+
+def _frame_shape(frame) -> tuple:
+    return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
+
+
+class honour_plates(Messenger):
+    """Installed by ``pb.factor``/``pb.observe`` around their own ``numpyro.sample``: after
+    every handler has processed the site, raises a ``ValueError`` naming each plate that
+    does not lie within the rows' ``batch`` shape (see :func:`plates_fit`), and an array
+    ``scale`` (a scale per row cannot multiply one sum)."""
+
+    def __init__(self, name, kind, batch, what):
+        self.name, self.kind, self.batch, self.what = name, kind, tuple(batch), what
+        super().__init__()
+
+    def postprocess_message(self, msg):
+        if msg["type"] != "sample" or msg["name"] != self.name:
+            return
+        bad = [f for f in msg["cond_indep_stack"]
+               if f.dim is not None and f.size is not None
+               and not plates_fit(_frame_shape(f), self.batch)]
+        if bad:
+            plates = ", ".join(f"plate {f.name!r} (size {f.size} at dim {f.dim})" for f in bad)
+            raise ValueError(
+                f"pb.{self.kind} site {self.name!r}: {plates} does not match the site's "
+                f"batch shape {self.batch} ({self.what}); in the plain model it would repeat "
+                f"the rows. A plate over the rows must have their size at their dim (with "
+                f"subsample_size, pass the subsampled rows: X[idx], y[idx]); another plate "
+                f"must have size 1 there or sit on a dim of the batch shape with its size")
+        scale = msg.get("scale")
+        if msg.get("is_observed") and scale is not None and jnp.size(scale) != 1:
+            raise ValueError(
+                f"pb.{self.kind} site {self.name!r}: a scale of shape {jnp.shape(scale)} "
+                f"(handlers.scale with an array) cannot multiply the site's log-density, one "
+                f"sum over its batch shape {self.batch}; use a scalar scale, or weight the "
+                f"rows inside the log-density (pb.factor with the weights as a data leaf)")
+
+
 class FactorUnit(Unit):
     """The distribution of a ``pb.factor`` site: ``numpyro.distributions.Unit`` of the
     summed log-density, carrying the ``reduce_sum`` inputs that made it (``data`` and
-    ``shared`` as pytree leaves; ``fn``, ``executor``, ``grainsize`` and ``block_rows``
-    as static fields)."""
+    ``shared`` as pytree leaves; ``fn``, ``executor``, ``grainsize``, ``block_rows`` and
+    ``rows``, the number of rows, as static fields).
+
+    Inside plates over the rows, ``expand`` is a checked no-op (see :func:`plates_fit`),
+    and ``mask`` (a scalar or per-row flags) masks rows inside a new ``reduce_sum``."""
 
     pytree_data_fields = ("data", "shared")
-    pytree_aux_fields = ("fn", "executor", "grainsize", "block_rows")
+    pytree_aux_fields = ("fn", "executor", "grainsize", "block_rows", "rows", "unhonoured")
     #: Marks the distribution of a parallel_backend site (``pb.observe``'s too).
     pb_site = "factor"
 
     def __init__(self, log_factor, fn, data, shared, executor=None, grainsize=None,
-                 block_rows=None):
+                 block_rows=None, rows=None, unhonoured=None):
         self.fn, self.data, self.shared = fn, data, tuple(shared)
         self.executor, self.grainsize, self.block_rows = executor, grainsize, block_rows
+        self.rows, self.unhonoured = rows, unhonoured
         super().__init__(log_factor)
+
+    def expand(self, batch_shape):
+        batch_shape = tuple(batch_shape)
+        if self.rows is None or plates_fit(batch_shape, (self.rows,)):
+            return self
+        return FactorUnit(self.log_factor, self.fn, self.data, self.shared, self.executor,
+                          self.grainsize, self.block_rows, self.rows, batch_shape)
+
+    def log_prob(self, value):
+        if self.unhonoured is not None:
+            raise ValueError(f"pb.factor site: expanded to batch shape {self.unhonoured}, which "
+                             f"does not lie within its {self.rows} rows")
+        return super().log_prob(value)
+
+    def mask(self, mask):
+        # Any mask but a Python bool goes inside the sum: a MaskedDistribution around this
+        # one would be expanded (broadcast) by the plates outside it. mask=False (which
+        # Predictive sets) gives zeros without evaluating anything, broadcast or not.
+        if isinstance(mask, bool) or self.rows is None:
+            return super().mask(mask)
+        if not plates_fit(jnp.shape(mask), (self.rows,)):
+            raise ValueError(f"pb.factor site: a mask of shape {jnp.shape(mask)} does not "
+                             f"broadcast to its {self.rows} rows")
+        flags = jnp.broadcast_to(jnp.asarray(mask, bool), (self.rows,))
+        fn = self.fn
+        if isinstance(fn, MaskedRows):  # masked twice: both masks
+            fn, data = fn.fn, self.data[0]
+            flags = flags & self.data[1]
+        else:
+            data = self.data
+        fn = MaskedRows(fn)
+        value = pb.reduce_sum(fn, (data, flags), *self.shared, executor=self.executor,
+                              grainsize=self.grainsize, block_rows=self.block_rows)
+        return FactorUnit(value, fn, (data, flags), self.shared, self.executor, self.grainsize,
+                          self.block_rows, self.rows, self.unhonoured)
 
     @property
     def inputs(self) -> dict:
@@ -77,6 +180,25 @@ class FactorUnit(Unit):
         ``kind`` (``"factor"``)."""
         return dict(fn=self.fn, data=self.data, shared=self.shared, executor=self.executor,
                     grainsize=self.grainsize, block_rows=self.block_rows, kind="factor")
+
+
+class MaskedRows:
+    """``fn((data, flags), *shared)``: ``fn(data, *shared)`` with the flagged-off rows 0
+    (a ``pb.factor`` site under ``handlers.mask`` with per-row flags)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, rows, *shared):
+        lp = self.fn(rows[0], *shared)
+        return jnp.where(rows[1], lp, jnp.zeros((), jnp.result_type(lp)))
+
+    def __eq__(self, other):
+        return type(other) is MaskedRows and other.fn == self.fn
+
+    def __hash__(self):
+        return hash((MaskedRows, self.fn))
 
 
 def site_inputs(site):
