@@ -10,14 +10,24 @@ the same bits. With no worker left, an evaluation fails after ``timeout``; with 
 scheduler gone, at once (or once the client's reconnection times out), with a
 ``ConnectionError`` that names the scheduler and says what to do.
 
+A site's spec and data stay on the workers while the executor caches the site. When
+it leaves the cache, the workers are told to forget them (a message to every worker
+through the scheduler, sent without waiting; a worker that is gone is skipped), unless
+another cached site uses the same spec or data. An evicted site that a compiled
+program still evaluates gets its data back, which is forgotten once nothing can
+evaluate the site any more; ``close()`` forgets everything.
+
 Imports the core's interface, numpy, cloudpickle and distributed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 import uuid
+import weakref
 
 import cloudpickle
 import jax
@@ -43,6 +53,13 @@ _INSTALL = cloudpickle.dumps(remote.install)
 
 class _WorkerGone(Exception):
     """A worker did not answer, or lost this executor's state."""
+
+
+def _forget_revived(executor_ref, r: RemoteSite) -> None:
+    """An evicted site evaluated again is gone: its data leaves the workers."""
+    executor = executor_ref()
+    if executor is not None and not executor.closed:
+        executor._forget(r)
 
 
 class DaskExecutor(Executor):
@@ -106,10 +123,17 @@ class DaskExecutor(Executor):
             self._client = Client(self._cluster, timeout=self.timeout, set_as_default=False)
         self._plugin = f"parallel_backend-{uuid.uuid4().hex[:12]}"
         self._remotes: dict = {}  # SiteState (by identity) -> RemoteSite, while cached
+        # Sites evicted from the cache, and the RemoteSite of those a compiled program
+        # still evaluates, kept only as long as the SiteState lives (see _remote).
+        self._retired = weakref.WeakSet()
+        self._revived = weakref.WeakKeyDictionary()
         # (data token, shards) -> shard placement, shared by every site over the same data,
         # so a re-traced model finds its data where it was sent before.
         self._placements: dict = {}
-        self._remote_lock = threading.Lock()
+        # Reentrant: a SiteState's finalizer (in _remote) may run, by garbage collection,
+        # on a thread that holds it.
+        self._remote_lock = threading.RLock()
+        self._releasing: set = set()  # release messages on their way to the workers
         self._data_bytes = 0
         try:
             nthreads = cluster.wait_for_workers(self._client, self.timeout)
@@ -148,15 +172,35 @@ class DaskExecutor(Executor):
     def _remote(self, state) -> RemoteSite:
         with self._remote_lock:
             r = self._remotes.get(state)
-            if r is None:
-                r = self._remotes[state] = RemoteSite(state, self.workers)
-                r.placement = self._placements.setdefault((r.data_token, len(r.shards)),
-                                                          r.placement)
+            if r is None and state in self._retired:
+                # Evicted, yet evaluated by a program that still holds it (a model with
+                # more sites than the cache keeps): its data goes back to the workers and
+                # stays there until the state itself is gone.
+                r = self._revived.get(state)
+                if r is None:
+                    r = self._revived[state] = self._new_remote(state)
+                    weakref.finalize(state, _forget_revived, weakref.ref(self), r).atexit = False
+            elif r is None:
+                r = self._remotes[state] = self._new_remote(state)
             return r
+
+    def _new_remote(self, state) -> RemoteSite:
+        r = RemoteSite(state, self.workers)
+        r.placement = self._placements.setdefault((r.data_token, len(r.shards)), r.placement)
+        return r
 
     def map_chunks(self, state, chunks, evaluation):
         self.check_open()
         r = self._remote(state)
+        try:
+            return self._map_chunks(r, state, chunks, evaluation)
+        finally:
+            with self._remote_lock:
+                orphan = self._remotes.get(state) is not r and self._revived.get(state) is not r
+            if orphan:  # evicted while this evaluation ran, which may have sent data again
+                self._forget(r)
+
+    def _map_chunks(self, r: RemoteSite, state, chunks, evaluation):
         tiles = state.spec.tiles
         per = max(1, max(c.count for c in chunks) // tiles.tile_blocks) if chunks else 1
         # Chunks never straddle shards: each shard's data lives on one worker.
@@ -178,7 +222,54 @@ class DaskExecutor(Executor):
     def _retire(self, state) -> None:
         super()._retire(state)
         with self._remote_lock:  # what the client kept of a forgotten site goes with it
-            self._remotes.pop(state, None)
+            self._retired.add(state)
+            r = self._remotes.pop(state, None)
+        if r is not None:
+            self._forget(r)
+
+    def _forget(self, r: RemoteSite) -> None:
+        """Tell the workers to forget ``r``'s spec and data, where no other site of this
+        executor uses them (sites with the same spec or data share them there)."""
+        with self._remote_lock:
+            others = [x for x in (*self._remotes.values(), *self._revived.values())
+                      if x is not r]
+            tokens = [] if any(x.token == r.token for x in others) else [r.token]
+            data = [] if any(x.data_token == r.data_token for x in others) else [r.data_token]
+            for key in [k for k in self._placements if k[0] in data]:
+                del self._placements[key]
+        if tokens or data:
+            self._release_on_workers(tokens, data)
+
+    def _release_on_workers(self, tokens, data_tokens) -> None:
+        """Send :func:`.worker.release` to every worker, without waiting for it (this runs
+        where a site is evicted: while a model is traced)."""
+        if self.closed or self._client.status != "running":
+            return  # close() drops everything at once
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._release(tokens, data_tokens),
+                                                      self._client.loop.asyncio_loop)
+        except RuntimeError:  # the client's event loop is closed: nothing left to tell
+            return
+        with self._remote_lock:
+            self._releasing.add(future)
+        future.add_done_callback(self._released)
+
+    async def _release(self, tokens, data_tokens) -> None:
+        # Through the scheduler, to every worker it lists; one that is gone is skipped, and
+        # a cluster that is gone holds nothing to forget.
+        with contextlib.suppress(Exception):
+            await self._client.run(remote.release, self._plugin, tokens, data_tokens,
+                                   on_error="ignore", asynchronous=True)
+
+    def _released(self, future) -> None:
+        with self._remote_lock:
+            self._releasing.discard(future)
+
+    def _wait_released(self, timeout: float | None = None) -> None:
+        """Wait until the release messages sent so far have reached the workers."""
+        with self._remote_lock:
+            pending = list(self._releasing)
+        concurrent.futures.wait(pending, timeout)
 
     async def _run(self, r: RemoteSite, tasks, evaluation) -> dict:
         done: dict = {}
@@ -233,7 +324,7 @@ class DaskExecutor(Executor):
             if reply.status == OK:
                 return reply.results
             if reply.status == ERROR:
-                raise ChunkError.wrap(reply.error, reply.error.rows, r.state.label, self.name)
+                raise ChunkError.wrap(reply.error, reply.error.rows, r.label, self.name)
             if reply.status == GONE:
                 raise _WorkerGone(reply.detail)
             await self._install(addr, r, reply.need_spec, reply.need_shards)
@@ -295,8 +386,10 @@ class DaskExecutor(Executor):
                 self._client.unregister_worker_plugin(self._plugin)
         except Exception:  # noqa: BLE001 - a cluster that is gone holds no state to drop
             pass
-        self._remotes.clear()
-        self._placements.clear()
+        with self._remote_lock:
+            self._remotes.clear()
+            self._revived.clear()
+            self._placements.clear()
         self._disconnect()
 
     def _disconnect(self) -> None:

@@ -25,6 +25,8 @@ class RemoteSite:
 
     Attributes
     ----------
+    label : str
+        The site's label, for errors.
     spec : bytes
         The cloudpickled :class:`~parallel_backend.extend.SiteSpec`.
     token : str
@@ -38,7 +40,8 @@ class RemoteSite:
     """
 
     def __init__(self, state, shards: int):
-        self.state = state
+        # Not the state itself: an evicted state's RemoteSite must not keep it alive.
+        self.label = state.label
         try:
             self.spec = cloudpickle.dumps(state.spec)
         except Exception as e:

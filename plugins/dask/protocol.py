@@ -4,7 +4,10 @@ The client calls two functions on a worker directly (dask's ``run`` handler on a
 pooled connection, not the scheduler's task stream, which adds about 10 ms per
 round trip): :func:`~.worker.evaluate` with the traced values of some chunks, and
 :func:`~.worker.install` with a call site's spec and pieces of its data. Both answer
-with a :class:`Reply`. This module owns the reply and the retry limits; it imports
+with a :class:`Reply`. :func:`~.worker.release` (a site left the client's cache) goes
+to every worker through the scheduler (``Client.run``), without waiting: it arrives in
+any order with the others, and a worker that lost what it needs answers ``missing``
+and is sent it again. This module owns the reply and the retry limits; it imports
 the core's interface only.
 """
 

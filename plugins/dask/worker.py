@@ -5,7 +5,8 @@ per worker, the call sites (their specs, sent once, cloudpickled, and the block
 computations rebuilt from them), the shards of prepared data that live there
 (sent once, keyed by content), and a thread pool that runs chunks. The client
 reaches it with :func:`evaluate` and :func:`install`, called straight on the
-worker (see :mod:`.protocol`).
+worker (see :mod:`.protocol`), and with :func:`release` when a site leaves its
+cache; :func:`holdings` says what a worker keeps.
 
 Imports the core's interface, jax (lazily, after the environment is set),
 numpy, cloudpickle and distributed.
@@ -26,7 +27,7 @@ from .cluster import XLA_FLAGS
 from .internals import worker_plugin
 from .protocol import ERROR, GONE, MISSING, OK, Reply
 
-__all__ = ["WorkerState", "evaluate", "install"]
+__all__ = ["WorkerState", "evaluate", "holdings", "install", "release"]
 
 
 class WorkerState(WorkerPlugin):
@@ -79,16 +80,32 @@ class WorkerState(WorkerPlugin):
         return token not in self.specs, tuple(sorted({s for s in shards
                                                       if (data_token, s) not in self.shards}))
 
+    def drop(self, tokens, data_tokens) -> None:
+        """Forget sites and the shards of data their client no longer uses. Dropped, not
+        deleted: a chunk running holds its own references, and the arrays are freed with
+        the last of them."""
+        data_tokens = set(data_tokens)
+        with self.lock:
+            for token in tokens:
+                self.specs.pop(token, None)
+                self.sites.pop(token, None)
+            for key in [k for k in self.shards if k[0] in data_tokens]:
+                del self.shards[key]
+
     def add(self, token, spec, data_token, pieces) -> None:
         from parallel_backend.extend import Resident
 
         if spec is not None and token not in self.specs:
             self.specs[token] = cloudpickle.loads(spec)
-        x64 = self.specs[token].x64 if token in self.specs else False
+        if token not in self.specs:
+            # Released since the worker said it had the spec: without it the data's
+            # precision is unknown, so keep nothing; the next evaluation asks for both.
+            return
+        x64 = self.specs[token].x64
         for shard, first, arrays in pieces:
             self.shards[(data_token, shard)] = Resident(arrays, first, x64)
 
-    def program(self, token):
+    def program(self, token, spec):
         """The block computations of a site, traced here at its first chunk (where an
         ``fn`` that fails on this worker fails as a chunk, with its rows)."""
         from parallel_backend.extend import Program
@@ -96,20 +113,29 @@ class WorkerState(WorkerPlugin):
         with self.lock:
             program = self.sites.get(token)
             if program is None:
-                program = self.sites[token] = Program(self.specs[token])
+                program = Program(spec)
+                if self.specs.get(token) is spec:  # not released meanwhile
+                    self.sites[token] = program
             return program
 
-    def run_task(self, token, data_token, task, shared, diff_traced, diff_shared, in_axes):
+    def run_task(self, token, spec, resident, task, shared, diff_traced, diff_shared,
+                 in_axes):
         from parallel_backend.extend import ChunkError, Evaluation, run_chunk
 
-        shard, chunk, traced = task
-        spec = self.specs[token]
+        _, chunk, traced = task
         try:
-            program = self.program(token)
+            program = self.program(token, spec)
         except Exception as e:
             raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
         evaluation = Evaluation(traced, shared, diff_traced, diff_shared, in_axes, chunk.first)
-        return run_chunk(program, self.shards[(data_token, shard)], chunk, evaluation)
+        return run_chunk(program, resident, chunk, evaluation)
+
+    def holdings(self) -> dict:
+        """What this worker keeps: sites, their programs, data shards and their bytes."""
+        with self.lock:
+            shards = list(self.shards.values())
+            return {"sites": len(self.specs), "programs": len(self.sites),
+                    "shards": len(shards), "bytes": sum(r.nbytes for r in shards)}
 
 
 class WithPrecision:
@@ -154,13 +180,17 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
     need_spec, need_shards = state.missing(token, data_token, [t[0] for t in tasks])
     if need_spec or need_shards:
         return Reply(MISSING, need_spec=need_spec, need_shards=need_shards)
+    # Looked up here, on the worker's event loop, where release() runs too: a site
+    # released while its chunks run keeps what they use until they finish.
+    spec = state.specs[token]
+    residents = {t[0]: state.shards[(data_token, t[0])] for t in tasks}
     loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(state.pool, state.run_task, token, data_token, task, shared,
-                                    diff_traced, diff_shared, in_axes) for task in tasks]
+    futures = [loop.run_in_executor(state.pool, state.run_task, token, spec, residents[task[0]],
+                                    task, shared, diff_traced, diff_shared, in_axes)
+               for task in tasks]
     results = await asyncio.gather(*futures, return_exceptions=True)
     for task, r in zip(tasks, results):
         if isinstance(r, BaseException):
-            spec = state.specs[token]
             rows = spec.rows(task[1].first, task[1].count)
             return Reply(ERROR, error=ChunkError.wrap(r, rows, spec.label, "dask"))
     return Reply(OK, results=results)
@@ -175,3 +205,28 @@ def install(name, token, spec, data_token, pieces, dask_worker=None) -> Reply:
               [(shard, first, tuple(np.asarray(x) for x in arrays))
                for shard, first, arrays in pieces])
     return Reply(OK)
+
+
+def release(name, tokens, data_tokens, dask_worker=None) -> Reply:
+    """Forget the sites ``tokens`` and the data ``data_tokens`` on this worker (the client
+    sends it when they leave its cache; a worker that never had them has nothing to do)."""
+    state = _state(dask_worker, name)
+    if state is None:
+        return _gone(dask_worker, name)
+    state.drop(tokens, data_tokens)
+    return Reply(OK)
+
+
+def holdings(name, dask_worker=None) -> dict:
+    """What the executor whose plugin is ``name`` keeps on this worker: ``sites``,
+    ``programs``, data ``shards`` and their ``bytes`` (all 0 once it is closed).
+
+    Examples
+    --------
+    >>> client.run(holdings, name)  # doctest: +SKIP
+    {'tcp://127.0.0.1:40155': {'sites': 2, 'programs': 2, 'shards': 2, 'bytes': 160000}, ...}
+    """
+    state = _state(dask_worker, name)
+    if state is None or not hasattr(state, "lock"):
+        return {"sites": 0, "programs": 0, "shards": 0, "bytes": 0}
+    return state.holdings()

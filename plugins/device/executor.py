@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -143,9 +144,13 @@ class DeviceExecutor(Executor):
         self._sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
         self._place_lock = threading.Lock()
         # Per SiteState (by identity), while the executor caches the site:
-        self._placed: dict = {}  # -> (state, layout, data on the devices): graph
+        self._placed: dict = {}  # -> (layout, data on the devices, valid): graph
         self._shares: dict = {}  # -> [DeviceShare] per device: host
         self._params: dict = {}  # -> _Params, as traced: graph
+        # Sites evicted from the cache, and what those a compiled program still evaluates
+        # placed again ({"_shares": ..., ...}), kept only as long as the state lives.
+        self._retired = weakref.WeakSet()
+        self._revived = weakref.WeakKeyDictionary()
         self._threads = ThreadExecutor(len(devices))  # starts the devices' chunks
         if devices[0].platform != "cpu" and (len(devices) == 1 or self.dispatch == "auto"):
             notes.append(ONE_ACCELERATOR_LOSES.format(platform=devices[0].platform)
@@ -187,25 +192,37 @@ class DeviceExecutor(Executor):
 
     # -- the host path: one-device programs, one per device ------------------------
 
+    def _kept(self, name: str, state):
+        """``state``'s entry in the table ``name`` (``"_placed"``, ``"_shares"``,
+        ``"_params"``), or ``None``. Call with ``_place_lock`` held."""
+        if state in self._retired:
+            return self._revived.get(state, {}).get(name)
+        return getattr(self, name).get(state)
+
+    def _keep(self, name: str, state, value):
+        """Keep ``value`` as ``state``'s entry in ``name``: in the table while the cache
+        holds the site; for an evicted site that a compiled program still evaluates, only
+        as long as the state lives (so the cache bounds what stays placed). Call with
+        ``_place_lock`` held."""
+        if state in self._retired:
+            self._revived.setdefault(state, {})[name] = value
+        else:
+            getattr(self, name)[state] = value
+        return value
+
     def _host_shares(self, state) -> list:
         """Each device's run of whole tiles and its data there, placed once."""
         with self._place_lock:
-            shares = self._shares.get(state)
+            shares = self._kept("_shares", state)
             if shares is None:
                 prepared = state.prepared()
                 shares = []
                 for dev, chunk in zip(self._devices, even_slots(state.spec.tiles, len(self._devices))):
                     a, b = chunk.first, chunk.first + chunk.count
                     resident = Resident(tuple(x[a:b] for x in prepared), a, state.spec.x64, dev)
-                    shares.append(DeviceShare(state, dev, chunk, resident))
-                self._shares[state] = shares
+                    shares.append(DeviceShare(dev, chunk, resident))
+                self._keep("_shares", state, shares)
         return shares
-
-    def _release_shares(self, state) -> None:
-        with self._place_lock:
-            shares = self._shares.pop(state, ())
-        for share in shares:
-            share.resident.delete()
 
     def map_chunks(self, state, chunks, evaluation):
         """Every device runs the chunks of its own tiles, on its own data, in order."""
@@ -236,7 +253,7 @@ class DeviceExecutor(Executor):
     def _place(self, state):
         """Lay out and place ``state``'s prepared data on the devices, once."""
         with self._place_lock:
-            placed = self._placed.get(state)
+            placed = self._kept("_placed", state)
             if placed is None:
                 layout = self.layout(state)
                 prepared = state.prepared()
@@ -251,8 +268,8 @@ class DeviceExecutor(Executor):
                 # Called while the caller's function is traced: place the data now, not
                 # as an operation of that trace.
                 arrays = run_eagerly(put)
-                placed = self._placed[state] = (state, layout, arrays[:-1], arrays[-1])
-        return placed[1:]
+                placed = self._keep("_placed", state, (layout, arrays[:-1], arrays[-1]))
+        return placed
 
     def graph_partials(self, state, traced, shared, diff_traced, diff_shared, set_axes=None):
         """Per-block partials of all blocks, inside the caller's program.
@@ -267,9 +284,9 @@ class DeviceExecutor(Executor):
         traced, shared = tuple(traced), tuple(shared)
         mapped = self._mapped(state) and not _in_place()
         with self._place_lock:
-            self._params[state] = _Params(sum(_nbytes(s) for s in shared),
-                                          sum(_nbytes(t) for t in traced),
-                                          self.layout(state).active if mapped else 1)
+            self._keep("_params", state, _Params(sum(_nbytes(s) for s in shared),
+                                                 sum(_nbytes(t) for t in traced),
+                                                 self.layout(state).active if mapped else 1))
         if not mapped:
             return super().graph_partials(state, traced, shared, diff_traced, diff_shared,
                                           set_axes)
@@ -321,7 +338,8 @@ class DeviceExecutor(Executor):
 
     def graph_counts(self, state, calls: int, batches: int) -> dict:
         """Graph evaluations: a block run per busy device each (one in place)."""
-        info = self._params.get(state) or _Params(0, 0, 1)
+        with self._place_lock:
+            info = self._kept("_params", state) or _Params(0, 0, 1)
         out = super().graph_counts(state, calls, batches)
         out["chunks"] = calls * info.devices
         if info.devices > 1:
@@ -366,22 +384,27 @@ class DeviceExecutor(Executor):
     def _retire(self, state) -> None:
         super()._retire(state)  # reads the site's _Params
         with self._place_lock:
-            # Dropped, not deleted: an evaluation still running holds its own references,
-            # and the buffers are freed with the last of them.
+            # Dropped, not deleted: an evaluation still running, or a compiled program
+            # that holds the data as a constant, keeps its own references, and the buffers
+            # are freed with the last of them.
             for held in (self._placed, self._shares, self._params):
                 held.pop(state, None)
+            self._retired.add(state)
 
     def release(self) -> None:
         self._threads.close()
         with self._place_lock:
-            placed, self._placed = self._placed, {}
-            shares, self._shares = self._shares, {}
-            self._params.clear()
-        for _, _, arrays, valid in placed.values():
-            for arr in (*arrays, valid):
-                arr.delete()
-        for device_shares in shares.values():
-            for share in device_shares:
+            kept = [{"_placed": self._placed.get(s), "_shares": self._shares.get(s)}
+                    for s in {*self._placed, *self._shares}]
+            kept += [dict(v) for v in self._revived.values()]
+            self._placed, self._shares, self._params = {}, {}, {}
+            self._revived.clear()
+        for entry in kept:
+            if entry.get("_placed") is not None:
+                _, arrays, valid = entry["_placed"]
+                for arr in (*arrays, valid):
+                    arr.delete()
+            for share in entry.get("_shares") or ():
                 share.resident.delete()
 
     def __repr__(self) -> str:
@@ -394,7 +417,6 @@ class DeviceExecutor(Executor):
 class DeviceShare(NamedTuple):
     """``dispatch="host"``: one device's run of whole tiles and its data there."""
 
-    state: object
     device: object
     chunk: object  # the device's blocks, a Chunk
     resident: Resident
