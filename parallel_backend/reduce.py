@@ -2,11 +2,10 @@
 
 This module owns the public primitive: validation at the boundary (before any
 tracing), the call site's :class:`~parallel_backend.spec.SiteSpec`, the
-``jax.custom_jvp`` that hands value and gradients to JAX autodiff (every derivative JAX
-takes: reverse and forward mode, and second derivatives as per-block Hessian-vector
-products), and the
-``jax.pure_callback`` through which the host path (:mod:`.host`) runs. It imports
-jax, numpy and the core modules; never NumPyro, dask or ArviZ.
+``jax.custom_jvp`` that hands value and gradients to JAX autodiff (reverse and forward
+mode; second derivatives in :mod:`.second_order`), and the ``jax.pure_callback``
+through which the host path (:mod:`.host`) runs. It imports jax, numpy and the core
+modules; never NumPyro, dask or ArviZ.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import detect_form, scan_reduce_per_row
 from .identity import site_key, snapshot
+from .second_order import blocked_sum, kept, value_and_grads_of
 from .site import SiteState
 from .spec import SiteSpec, combine
 
@@ -132,7 +132,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     choice = current_slot(executor, state)
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
-    blocked = functools.partial(_blocked_sum, state.spec, resident)
+    blocked = functools.partial(blocked_sum, state.spec, resident)
     return _reduce(state, executor, grainsize, route, blocked)(traced, tuple(shared_leaves), choice)
 
 
@@ -235,10 +235,8 @@ def _reduce(state, executor, grainsize, route, blocked):
         # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations).
         return lax.optimization_barrier(combine(*partials(traced, shared, choice, dt, ds)))
 
-    # Value and gradients (``dt``, ``ds``: which traced and shared leaves get one) as the
-    # route computes them. Their own derivatives (second order) are per-block
-    # Hessian-vector products: JAX's autodiff of ``fn`` block by block (forward over
-    # reverse), inside the caller's program.
+    # Value and gradients (of the leaves ``dt``, ``ds`` mark) on the route; their own
+    # derivatives are per-block Hessian-vector products (see :mod:`.second_order`).
     @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
     def value_and_grads(traced, shared, choice, dt, ds):
         v, gs, gd = run(traced, shared, choice, dt, ds)
@@ -249,7 +247,7 @@ def _reduce(state, executor, grainsize, route, blocked):
         traced, shared, choice = primals
         tt, ts, _ = tangents
         out = value_and_grads(traced, shared, choice, dt, ds)
-        _, tan = jax.jvp(functools.partial(_value_and_grads_of, blocked, dt, ds),
+        _, tan = jax.jvp(functools.partial(value_and_grads_of, blocked, dt, ds),
                          (traced, shared), (tt, ts))
         return out, tan
 
@@ -259,73 +257,20 @@ def _reduce(state, executor, grainsize, route, blocked):
         return run(traced, shared, choice, *no)[0]
 
     def value_jvp(primals, tangents):
-        # A directional derivative is the gradients' dot with the tangent. The gradients
-        # come from the route (bitwise the same on every executor); the dot is linear in
-        # the tangent, so JAX transposes it for reverse mode (``grad``, ``vjp``: the
-        # cotangent times the gradients) and maps it for ``jacfwd``; differentiating
-        # again reaches ``value_and_grads``'s rule.
+        # The route's gradients (bitwise on every executor) dotted with the tangent: linear
+        # in it, so JAX transposes it for ``grad``/``vjp`` (the cotangent times the
+        # gradients) and maps it for ``jacfwd``; a second derivative reaches the rule above.
         traced, shared, choice = primals
         tt, ts, _ = tangents
         dt = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(traced, tt))
         ds = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(shared, ts))
         v, gd, gs = value_and_grads(traced, shared, choice, dt, ds)
-        pairs = [*zip(gd, _kept(tt, dt)), *zip(gs, _kept(ts, ds))]
+        pairs = [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))]
         terms = [jnp.sum(g * t).astype(v.dtype) for g, t in pairs]
         return v, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(v)
 
     value.defjvp(value_jvp, symbolic_zeros=True)
     return value
-
-
-def _kept(xs, mask):
-    return [x for x, m in zip(xs, mask) if m]
-
-
-def _value_and_grads_of(blocked, dt, ds, traced, shared):
-    """``(value, data gradients, shared gradients)`` of ``blocked(traced, shared)`` for the
-    leaves ``dt``/``ds`` mark, by JAX's autodiff: the in-graph twin of the route's
-    ``value_and_grads``, differentiated for second derivatives."""
-
-    def total(td, sd):
-        it_t, it_s = iter(td), iter(sd)
-        t = tuple(next(it_t) if d else x for x, d in zip(traced, dt))
-        s = tuple(next(it_s) if d else x for x, d in zip(shared, ds))
-        return blocked(t, s)
-
-    v, (gd, gs) = jax.value_and_grad(total, argnums=(0, 1))(tuple(_kept(traced, dt)),
-                                                            tuple(_kept(shared, ds)))
-    return v, tuple(gd), tuple(gs)
-
-
-def _blocked_sum(spec, resident, traced, shared):
-    """``fn``'s log-density summed block by block in block order, in plain JAX (no
-    callback, no barrier): full blocks together (``vmap``, or ``lax.map`` for a site
-    whose ``fn`` cannot be batched), the last partial block apart. It is what second
-    derivatives differentiate."""
-    plan = spec.plan
-    block = spec.block_fn()
-    full = plan.n_full * plan.block_rows
-
-    def blocks(x):
-        return jnp.reshape(x[:full], (plan.n_full, plan.block_rows) + tuple(jnp.shape(x)[1:]))
-
-    sums = []
-    if plan.n_full:
-        res_b = [blocks(jnp.asarray(x)) for x in resident]
-        tr_b = [blocks(x) for x in traced]
-
-        def one(r, t):
-            return jnp.sum(block(r, t, shared))
-
-        if spec.form == "batched":
-            sums.append(jax.vmap(one)(res_b, tr_b))
-        else:
-            sums.append(lax.map(lambda rt: one(*rt), (res_b, tr_b)))
-    if plan.tail_rows:
-        tail = jnp.sum(block([jnp.asarray(x)[full:] for x in resident],
-                             [x[full:] for x in traced], shared))
-        sums.append(tail[None])
-    return jnp.sum(jnp.concatenate(sums))
 
 
 def _add_zero(zero, x):
