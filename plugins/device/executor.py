@@ -23,7 +23,6 @@ import math
 import threading
 import warnings
 import weakref
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,34 +34,13 @@ from parallel_backend import ThreadExecutor
 from parallel_backend.extend import (Executor, is_tracer, Resident, block_axis, chunks_within,
                                      even_slots, pad_blocks, run_chunk, run_eagerly, unblock)
 
-from .layout import DeviceLayout, device_layout, spread_blocks
+from .layout import DeviceLayout, DeviceShare, Params, device_layout, spread_blocks
+from .notes import check_devices, route_notes
 
 __all__ = ["DeviceExecutor"]
 
 #: The mesh axis the blocks are split over; named so it cannot clash with a user's.
 AXIS = "parallel_backend_blocks"
-
-#: Why the host route is never taken on an accelerator. Its callback runs inside the
-#: caller's program, which holds the device until the callback returns; compiling the
-#: chunk programs for that device there stalled (issue 38, on an H100: stuck in XLA's
-#: compilation every time, a plain JAX sum compiled the same way once in three; with
-#: XLA's GPU autotuning off it finished, and ran slower than the graph route). So the
-#: route is refused, not made to work.
-HOST_ROUTE_WAITS = (
-    "dispatch='host' cannot run on {platform} devices: its host callback runs inside the "
-    "caller's program, which holds the {platform} until the callback returns, and "
-    "compiling the blocks' programs for that {platform} there stalls. Using "
-    "dispatch='graph' (the blocks inside the caller's program) instead.")
-#: What the routes do on one accelerator (measured: docs/performance.md).
-ONE_ACCELERATOR_LOSES = (
-    "on {platform} the blocks run one after another inside the caller's program on one "
-    "{platform} (the host route cannot run there), and every route measured slower there "
-    "than plain NumPyro, which evaluates all rows in fewer, larger kernels. On one "
-    "{platform} use plain NumPyro.")
-#: Added where several accelerators are visible and ``dispatch="auto"`` keeps one busy.
-SEVERAL_ACCELERATORS = (
-    " dispatch='graph' splits the blocks over the {n} devices (not measured here).")
-
 
 class DeviceExecutor(Executor):
     """Evaluate the blocks on several JAX devices: CPU devices or GPUs.
@@ -133,11 +111,8 @@ class DeviceExecutor(Executor):
     name = "device"
 
     def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = False):
-        devices = _check_devices(devices)
-        notes = []
-        if devices[0].platform != "cpu" and dispatch == "host":
-            notes.append(HOST_ROUTE_WAITS.format(platform=devices[0].platform))
-            dispatch = "graph"
+        devices = check_devices(devices)
+        dispatch, notes = route_notes(devices, dispatch)
         super().__init__(dispatch=dispatch, count_calls=count_calls)
         self._devices = devices
         self._mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
@@ -146,22 +121,12 @@ class DeviceExecutor(Executor):
         # Per SiteState (by identity), while the executor caches the site:
         self._placed: dict = {}  # -> (layout, data on the devices, valid): graph
         self._shares: dict = {}  # -> [DeviceShare] per device: host
-        self._params: dict = {}  # -> _Params, as traced: graph
+        self._params: dict = {}  # -> Params, as traced: graph
         # Sites evicted from the cache, and what those a compiled program still evaluates
         # placed again ({"_shares": ..., ...}), kept only as long as the state lives.
         self._retired = weakref.WeakSet()
         self._revived = weakref.WeakKeyDictionary()
         self._threads = ThreadExecutor(len(devices))  # starts the devices' chunks
-        if devices[0].platform != "cpu" and (len(devices) == 1 or self.dispatch == "auto"):
-            notes.append(ONE_ACCELERATOR_LOSES.format(platform=devices[0].platform)
-                         + (SEVERAL_ACCELERATORS.format(n=len(devices))
-                            if len(devices) > 1 else ""))
-        elif len(devices) == 1:
-            notes.append(
-                f"only one device ({devices[0]}), so the blocks run one after "
-                "another. For N CPU devices start Python with "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax is "
-                "imported); on GPUs make more of them visible (CUDA_VISIBLE_DEVICES).")
         if notes:  # one warning, however many reasons
             warnings.warn("DeviceExecutor: " + " ".join(notes), UserWarning, stacklevel=2)
 
@@ -182,7 +147,7 @@ class DeviceExecutor(Executor):
 
     def can_use_host(self, state) -> bool:
         """As :meth:`Executor.can_use_host`; never inside ``pmap`` (in place), nor on an
-        accelerator (see :data:`HOST_ROUTE_WAITS`)."""
+        accelerator (see :data:`.notes.HOST_ROUTE_WAITS`)."""
         return (self._devices[0].platform == "cpu" and not _in_place()
                 and super().can_use_host(state))
 
@@ -284,7 +249,7 @@ class DeviceExecutor(Executor):
         traced, shared = tuple(traced), tuple(shared)
         mapped = self._mapped(state) and not _in_place()
         with self._place_lock:
-            self._keep("_params", state, _Params(sum(_nbytes(s) for s in shared),
+            self._keep("_params", state, Params(sum(_nbytes(s) for s in shared),
                                                  sum(_nbytes(t) for t in traced),
                                                  self.layout(state).active if mapped else 1))
         if not mapped:
@@ -339,7 +304,7 @@ class DeviceExecutor(Executor):
     def graph_counts(self, state, calls: int, batches: int) -> dict:
         """Graph evaluations: a block run per busy device each (one in place)."""
         with self._place_lock:
-            info = self._kept("_params", state) or _Params(0, 0, 1)
+            info = self._kept("_params", state) or Params(0, 0, 1)
         out = super().graph_counts(state, calls, batches)
         out["chunks"] = calls * info.devices
         if info.devices > 1:
@@ -382,7 +347,7 @@ class DeviceExecutor(Executor):
         return out
 
     def _retire(self, state) -> None:
-        super()._retire(state)  # reads the site's _Params
+        super()._retire(state)  # reads the site's Params
         with self._place_lock:
             # Dropped, not deleted: an evaluation still running, or a compiled program
             # that holds the data as a constant, keeps its own references, and the buffers
@@ -414,51 +379,10 @@ class DeviceExecutor(Executor):
                 f"ids={[d.id for d in self._devices]}, dispatch={self.dispatch!r}, {state})")
 
 
-class DeviceShare(NamedTuple):
-    """``dispatch="host"``: one device's run of whole tiles and its data there."""
-
-    device: object
-    chunk: object  # the device's blocks, a Chunk
-    resident: Resident
-
-
 def _in_place() -> bool:
     """Inside ``pmap`` or a user's mesh: the caller's chain already owns its device."""
     return not jax.sharding.get_abstract_mesh().empty
 
 
-class _Params(NamedTuple):
-    """Per evaluation of one site, as traced: parameter bytes and busy devices."""
-
-    replicated: int  # shared leaves: a copy to every device
-    split: int  # traced data leaves (per-row parameters): split over the devices
-    devices: int  # devices that run blocks (1 when it ran in place, inside pmap)
-
-
 def _nbytes(x) -> int:
     return math.prod(jnp.shape(x)) * jnp.result_type(x).itemsize
-
-
-def _check_devices(devices) -> tuple:
-    if devices is None:
-        devices = jax.devices()
-    if isinstance(devices, jax.Device):
-        devices = [devices]
-    try:
-        devices = tuple(devices)
-    except TypeError:
-        raise TypeError("DeviceExecutor: devices must be a sequence of jax.Device (e.g. "
-                        f"jax.devices()) or None, got {type(devices).__name__}") from None
-    if not devices:
-        raise ValueError("DeviceExecutor: devices is empty; pass jax.devices() or None")
-    bad = [d for d in devices if not isinstance(d, jax.Device)]
-    if bad:
-        raise TypeError("DeviceExecutor: devices must be jax.Device objects (from jax.devices()), "
-                        f"got {type(bad[0]).__name__}: {bad[0]!r}")
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"DeviceExecutor: devices lists a device twice: {list(devices)}")
-    platforms = sorted({d.platform for d in devices})
-    if len(platforms) > 1:
-        raise ValueError(f"DeviceExecutor: devices must share one platform, got {platforms}; "
-                         "pass jax.devices('cpu') or jax.devices('gpu')")
-    return devices

@@ -4,7 +4,9 @@ Graph layout, for ``D`` devices and ``n_blocks`` blocks (each ``block_rows`` row
 the last padded as every block plan pads it): device ``d`` holds blocks
 ``[d * per_device, (d + 1) * per_device)``; where ``D`` does not divide
 ``n_blocks`` the last devices' slots are filled with empty blocks (zero rows, zero
-real rows) whose partials are dropped. Imports numpy only.
+real rows) whose partials are dropped. Also the records of what the executor keeps per
+site: a device's share of the host route, a site's parameter bytes as traced.
+Imports numpy only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["DeviceLayout", "device_layout", "spread_blocks"]
+__all__ = ["DeviceLayout", "DeviceShare", "Params", "device_layout", "spread_blocks"]
 
 
 class DeviceLayout(NamedTuple):
@@ -75,3 +77,19 @@ def spread_blocks(x, layout: DeviceLayout, xp=np):
     if not pad:
         return x
     return xp.concatenate([x, xp.zeros((pad,) + tuple(x.shape[1:]), x.dtype)])
+
+
+class DeviceShare(NamedTuple):
+    """``dispatch="host"``: one device's run of whole tiles and its data there."""
+
+    device: object
+    chunk: object  # the device's blocks, a Chunk
+    resident: object  # the device's data, a Resident
+
+
+class Params(NamedTuple):
+    """Per evaluation of one site, as traced: parameter bytes and busy devices."""
+
+    replicated: int  # shared leaves: a copy to every device
+    split: int  # traced data leaves (per-row parameters): split over the devices
+    devices: int  # devices that run blocks (1 when it ran in place, inside pmap)
