@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
 import uuid
 import weakref
@@ -40,7 +39,7 @@ from parallel_backend.extend import ChunkError, Executor, chunks_within
 from . import cluster
 from . import worker as remote
 from .internals import connection_pool, request
-from .placement import RemoteSite, assign
+from .placement import RemoteSite, assign, forget_revived
 from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
 
 __all__ = ["DaskExecutor"]
@@ -53,13 +52,6 @@ _INSTALL = cloudpickle.dumps(remote.install)
 
 class _WorkerGone(Exception):
     """A worker did not answer, or lost this executor's state."""
-
-
-def _forget_revived(executor_ref, r: RemoteSite) -> None:
-    """An evicted site evaluated again is gone: its data leaves the workers."""
-    executor = executor_ref()
-    if executor is not None and not executor.closed:
-        executor._forget(r)
 
 
 class DaskExecutor(Executor):
@@ -179,7 +171,7 @@ class DaskExecutor(Executor):
                 r = self._revived.get(state)
                 if r is None:
                     r = self._revived[state] = self._new_remote(state)
-                    weakref.finalize(state, _forget_revived, weakref.ref(self), r).atexit = False
+                    weakref.finalize(state, forget_revived, weakref.ref(self), r).atexit = False
             elif r is None:
                 r = self._remotes[state] = self._new_remote(state)
             return r
@@ -246,20 +238,14 @@ class DaskExecutor(Executor):
         if self.closed or self._client.status != "running":
             return  # close() drops everything at once
         try:
-            future = asyncio.run_coroutine_threadsafe(self._release(tokens, data_tokens),
-                                                      self._client.loop.asyncio_loop)
+            future = asyncio.run_coroutine_threadsafe(
+                remote.release_everywhere(self._client, self._plugin, tokens, data_tokens),
+                self._client.loop.asyncio_loop)
         except RuntimeError:  # the client's event loop is closed: nothing left to tell
             return
         with self._remote_lock:
             self._releasing.add(future)
         future.add_done_callback(self._released)
-
-    async def _release(self, tokens, data_tokens) -> None:
-        # Through the scheduler, to every worker it lists; one that is gone is skipped, and
-        # a cluster that is gone holds nothing to forget.
-        with contextlib.suppress(Exception):
-            await self._client.run(remote.release, self._plugin, tokens, data_tokens,
-                                   on_error="ignore", asynchronous=True)
 
     def _released(self, future) -> None:
         with self._remote_lock:

@@ -17,7 +17,7 @@ import numpy as np
 
 from parallel_backend.extend import even_slots
 
-__all__ = ["RemoteSite", "content_token", "assign"]
+__all__ = ["RemoteSite", "content_token", "assign", "forget_revived"]
 
 
 class RemoteSite:
@@ -86,3 +86,11 @@ def assign(site: RemoteSite, tasks, alive: dict) -> dict:
     for t in tasks:
         groups.setdefault(site.placement[t[0]], []).append(t)
     return groups
+
+
+def forget_revived(executor_ref, r: RemoteSite) -> None:
+    """An evicted site evaluated again is gone: its data leaves the workers (a
+    ``weakref.finalize`` callback of the executor, held by a weak reference)."""
+    executor = executor_ref()
+    if executor is not None and not executor.closed:
+        executor._forget(r)

@@ -15,6 +15,7 @@ numpy, cloudpickle and distributed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from .cluster import XLA_FLAGS
 from .internals import worker_plugin
 from .protocol import ERROR, GONE, MISSING, OK, Reply
 
-__all__ = ["WorkerState", "evaluate", "holdings", "install", "release"]
+__all__ = ["WorkerState", "evaluate", "holdings", "install", "release", "release_everywhere"]
 
 
 class WorkerState(WorkerPlugin):
@@ -230,3 +231,11 @@ def holdings(name, dask_worker=None) -> dict:
     if state is None or not hasattr(state, "lock"):
         return {"sites": 0, "programs": 0, "shards": 0, "bytes": 0}
     return state.holdings()
+
+
+async def release_everywhere(client, plugin, tokens, data_tokens) -> None:
+    """:func:`release` on every worker the scheduler lists, from the client's event loop:
+    a worker that is gone is skipped, and a cluster that is gone holds nothing to forget."""
+    with contextlib.suppress(Exception):
+        await client.run(release, plugin, tokens, data_tokens, on_error="ignore",
+                         asynchronous=True)
