@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 import jax.numpy as jnp
+import numpyro
 from numpyro import handlers
 from numpyro.distributions import Unit
 from numpyro.primitives import Messenger
@@ -85,6 +86,15 @@ def _frame_shape(frame) -> tuple:
     return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
 
 
+def _under_ecs_proxy() -> bool:
+    """Whether the model runs under HMCECS's likelihood estimator with a proxy, which
+    reads each subsampled site's log-density row by row."""
+    from numpyro.infer.hmc_gibbs import estimate_likelihood
+
+    return any(isinstance(h, estimate_likelihood) and h.method is not None
+               and h.params is not None for h in numpyro.primitives._PYRO_STACK)
+
+
 class honour_plates(Messenger):
     """Installed by ``pb.factor``/``pb.observe`` around their own ``numpyro.sample``: after
     every handler has processed the site, raises a ``ValueError`` naming each plate that
@@ -109,6 +119,12 @@ class honour_plates(Messenger):
                 f"the rows. A plate over the rows must have their size at their dim (with "
                 f"subsample_size, pass the subsampled rows: X[idx], y[idx]); another plate "
                 f"must have size 1 there or sit on a dim of the batch shape with its size")
+        if msg.get("is_observed") and _under_ecs_proxy():
+            raise ValueError(
+                f"pb.{self.kind} site {self.name!r}: HMCECS with a proxy (taylor_proxy) "
+                f"needs the site's log-density per row, and a pb.{self.kind} site gives one "
+                f"parallel sum; use HMCECS without proxy= (its subsampled likelihood works "
+                f"with pb.{self.kind}), or numpyro.sample for this site")
         scale = msg.get("scale")
         if msg.get("is_observed") and scale is not None and jnp.size(scale) != 1:
             raise ValueError(

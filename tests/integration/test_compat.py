@@ -303,11 +303,6 @@ def test_hmcecs_subsample_draws_equal_plain(executor, x64):
     assert_same_draws(got, want)
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "not fixed: numpyro.contrib.ecs_proxies.taylor_proxy reads site['fn'].log_prob(value) "
-    "per row (Taylor terms per subsample row, jacobian and hessian of them); pb.observe's "
-    "ObservedRows.log_prob is one sum, so the proxy's per-row state is 0-d and its block "
-    "update (lax.dynamic_update_slice_in_dim on axis 0 of it) raises IndexError"))
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_hmcecs_taylor_proxy_draws_equal_plain(executor, x64):
     """With ``proxy=HMCECS.taylor_proxy(...)``: the plain model's draws, or else an error
