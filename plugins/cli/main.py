@@ -46,7 +46,16 @@ def main(argv=None) -> int:
     demo.add_argument("--workers", type=_positive("--workers"), default=None,
                       help="threads (default: all cores)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--float64", action="store_true", help="run in double precision")
+    demo.add_argument("--init", choices=["laplace", "heuristic"], default="laplace",
+                      help="laplace: both fits start from draws of the Laplace approximation "
+                           "at the MAP (found through parallel_backend first) and sample with "
+                           "its covariance as the mass matrix (default); heuristic: the HMM "
+                           "from the data's quantiles, the mass matrix adapted in warmup")
+    demo.add_argument("--map-steps", type=_positive("--map-steps"), default=200,
+                      help="Adam steps of the MAP search (--init laplace)")
+    demo.add_argument("--float64", action="store_true",
+                      help="run in double precision (the HMM needs it from about 11,000 "
+                           "sequences: the demo says when)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     prof = sub.add_parser("profile", help="time one gradient in plain NumPyro and on each "
                                           "executor, and say which to use")
@@ -70,7 +79,8 @@ def main(argv=None) -> int:
 
         run_demo(model=args.model, sequences=args.sequences, rows=args.rows,
                  num_warmup=args.warmup, num_samples=args.samples, num_chains=args.chains,
-                 workers=args.workers, seed=args.seed,
+                 workers=args.workers, seed=args.seed, init=args.init,
+                 map_steps=args.map_steps,
                  progress_bar=not args.no_progress and sys.stderr.isatty())
     return 0
 
