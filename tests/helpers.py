@@ -59,6 +59,19 @@ def plain_regression_model(data):
 
 
 @contextlib.contextmanager
+def local_client(workers: int = 2):
+    """A client of a real dask ``LocalCluster`` of ``workers`` one-thread worker processes on
+    127.0.0.1 (skips the test where distributed is not installed)."""
+    import pytest
+
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                  host="127.0.0.1", dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as c:
+        yield c
+
+
+@contextlib.contextmanager
 def cli_cluster(folder, workers: int = 2):
     """A scheduler and ``workers`` workers (one thread, no nanny: a killed worker stays
     dead) started with the dask command line on 127.0.0.1; yields ``(address, procs)``

@@ -244,10 +244,7 @@ def test_device_buffers_on_two_forced_devices():
 
 @pytest.fixture(scope="module")
 def client():
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  host="127.0.0.1", dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as c:
+    with helpers.local_client() as c:
         yield c
 
 

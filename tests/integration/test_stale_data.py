@@ -33,6 +33,7 @@ import numpyro.distributions as dist
 import pytest
 from numpyro.infer.util import log_density
 
+import helpers
 import parallel_backend as pb
 from parallel_backend import identity
 
@@ -89,10 +90,7 @@ def plain(fn, x):
 
 @pytest.fixture(scope="module")
 def client():
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  host="127.0.0.1", dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as c:
+    with helpers.local_client() as c:
         yield c
 
 
