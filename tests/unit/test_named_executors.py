@@ -28,8 +28,15 @@ def trace_many(times, **kwargs):
     return out
 
 
+def new_sites(ex, before) -> list:
+    """The sites ``ex`` holds that it did not hold ``before`` (other tests in this process
+    may have used the same named executor)."""
+    return [s for s in ex.sites() if not any(s is b for b in before)]
+
+
 def test_thread_by_name_is_one_pool():
     before = threading.active_count()
+    held = list(named_executor("thread").sites())
     values = trace_many(50, executor="thread")
     with pb.use_executor("thread"):
         values += trace_many(5)
@@ -37,7 +44,7 @@ def test_thread_by_name_is_one_pool():
     assert ex is named_executor("thread") and not ex.closed
     # one pool: at most its workers were added, not a pool per trace
     assert threading.active_count() - before <= ex.workers
-    assert len(ex.sites()) == 1  # every trace found the one site on the one executor
+    assert len(new_sites(ex, held)) <= 1  # every trace found the one site on the one executor
     want = float(loglik(X, 0.25).sum())
     np.testing.assert_allclose(values, want, rtol=1e-6)
 
@@ -55,9 +62,10 @@ def test_a_closed_named_executor_is_made_again():
 def test_dask_by_name_is_one_cluster():
     pytest.importorskip("distributed")
     try:
+        held = list(named_executor("dask").sites())
         trace_many(5, executor="dask")
         ex = named_executor("dask")
-        assert len(ex.sites()) == 1
+        assert len(new_sites(ex, held)) <= 1 and ex.sites()
         clusters = {id(named_executor("dask").client)}
         trace_many(3, executor="dask")
         clusters.add(id(named_executor("dask").client))
