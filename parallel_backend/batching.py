@@ -37,8 +37,8 @@ def set_batching(routed, host, graph, counted, route, form):
     the sets, each unbatched.
 
     The looped form runs one block's ``scan`` per loop iteration: batched over four
-    chains, the HMM's blocks took 4.7 times one chain's time (3,000 sequences, 0.67x
-    plain on a 2-core AMD EPYC), the residuals of every chain's steps no longer in
+    chains, the HMM's blocks took several times one chain's time and lost to plain
+    (docs/performance.md), the residuals of every chain's steps no longer in
     cache. Here the graph path maps over the sets (``lax.map``) and the host path hands
     the whole batch to one callback whose tasks evaluate each set unbatched (see
     :func:`.host.run_chunk`): on both, a set's values and gradients are the bits of the

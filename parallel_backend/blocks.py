@@ -38,7 +38,7 @@ MIN_BLOCK_ROWS = 256
 #: Data within one block's budget but of at least this many rows is cut into
 #: ``SMALL_BLOCKS`` blocks: XLA splits a batched operation over its threads along the
 #: block axis, which one block does not have (negative binomial, float32, 5,000 to
-#: 13,000 rows: 0.77x-0.83x plain as one block, 0.89x-0.94x as four).
+#: 13,000 rows: four blocks measured faster than one).
 SMALL_SPLIT_ROWS = 4096
 SMALL_BLOCKS = 4
 #: A tile (the smallest batch of blocks evaluated together) has at least this many
@@ -164,17 +164,15 @@ def balance_blocks(plan: BlockPlan) -> BlockPlan:
 #: Bytes of one value per row of a looped block (a ``scan`` per row, one block per loop
 #: iteration) at large ``N``: 2,000 float32 rows, 1,000 float64. Each iteration runs the
 #: scan's steps over one block, so small blocks pay the per-step overhead once per
-#: block, and a step of more than about 8 KB per value left the cache: blocks of 1,024
-#: HMM sequences at 50,000 ran 0.55x-0.61x plain on two AMD EPYC machines, 2,000 ran
-#: 0.96x-1.09x there and on an Intel Xeon; on the Xeon 2,500 float32 rows (10 KB) ran
-#: 0.77x-0.86x, and at 10,000 float64 sequences 640 and 1,000 rows 1.00x, 1,250 (10 KB)
-#: and 512 (a power of two) 0.63x.
+#: block, and a step of more than about 8 KB per value left the cache: larger blocks
+#: (10 KB) and powers of two measured slower on AMD EPYC and Intel Xeon machines
+#: (the sweeps: benchmarks/results/performance_history_2026-11-26.md).
 LOOPED_BYTES = 8000
 #: The rows of :data:`LOOPED_BYTES` in float32.
 LOOPED_ROWS = LOOPED_BYTES // 4
 #: ...and at least this many blocks (of at least ``LOOPED_MIN_ROWS`` rows), so that
 #: threads have blocks to share where plain NumPyro leaves cores idle (HMM, 3,000 to
-#: 5,000 sequences: 384 to 1,008 rows per block all ran 2.1x-2.3x on two threads).
+#: 5,000 sequences: 384 to 1,008 rows per block all ran alike on two threads).
 LOOPED_MIN_BLOCKS = 8
 LOOPED_MIN_ROWS = 500
 
@@ -200,7 +198,7 @@ def looped_blocks(n_rows: int, itemsize: int = 4, reduce_per_row: float = 0.0) -
     :data:`LOOPED_MIN_BLOCKS` of them where that
     leaves :data:`LOOPED_MIN_ROWS` rows each, all of one size where the count divides
     ``N`` (else multiples of ``ROW_ALIGN``), and never a power of two (whose strides
-    measured slower: 2,048 rows 0.88x-0.95x where 2,000 ran 0.96x-1.00x).
+    measured slower: 2,048 rows against 2,000).
 
     Examples
     --------

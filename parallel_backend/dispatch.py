@@ -50,8 +50,8 @@ def default_route(executor, state) -> str:
     evaluation as it threads plain NumPyro).
 
     Fewer tiles than workers still pays: on 16 cores the HMM at 10,000 and 50,000
-    sequences (8 and 25 tiles) ran at 2.5x and 3.1x plain on the host and 0.45x and
-    0.39x in the graph, whose block loop holds one core while plain's scan takes three."""
+    sequences (8 and 25 tiles) beat plain on the host and lost in the graph, whose block
+    loop holds one core while plain's scan takes three (docs/performance.md)."""
     if executor.dispatch != "auto":
         return executor.dispatch
     if executor.can_use_host(state) and state.spec.form == "looped":

@@ -12,12 +12,11 @@ loop of value-and-gradient calls on 2 cores, ratios to plain NumPyro):
   not ``None``): a linear predictor ``X @ beta`` then becomes a dot batched over the
   blocks, which XLA lays out with the sets before the rows. Unbroadcast, ``beta`` is
   a free operand and the blocked dot comes out ``(rows, sets)``, which every
-  elementwise operation after it reads across (4 sets: 0.92x on jax 0.10, 0.99x on
-  jax 0.12; broadcast with the sets inside: 1.05x and 1.11x). One set keeps ``shared``
-  unbroadcast: broadcast, the package's benchmarks moved both ways (negbin 10,000 rows
-  0.88x -> 0.96x, logistic 10,000 rows 1.19x -> 1.08x).
+  elementwise operation after it reads across (slower on both stacks than broadcast
+  with the sets inside). One set keeps ``shared`` unbroadcast: broadcast, the package's
+  benchmarks moved both ways (negbin faster, logistic slower; docs/performance.md).
 * **The sets map inside the blocks** (blocks outside, sets inside): with the sets
-  outside, the broadcast alone gave 0.96x and 0.92x.
+  outside, the broadcast alone lost to plain.
 
 Every route evaluates a batch of sets this way (the graph, every host chunk, every
 device), so the bits of a set do not depend on where it ran; they may differ from

@@ -243,8 +243,8 @@ class Program:
         :func:`.sets.over_blocks`); the outputs then lead with the sets.
 
         Only a padded block needs the mask, and the mask costs: the ``where`` that keeps
-        padding out kept XLA from fusing the values into their sum (logistic regression,
-        10,000 rows: 0.74x plain with every block masked, 0.95x without).
+        padding out kept XLA from fusing the values into their sum (measured on a
+        logistic regression; docs/performance.md).
         """
         self.traces[("batched", int(valid.shape[0]), masked, tail is not None)] += 1
 
@@ -323,8 +323,8 @@ class Program:
             # The barrier makes the inputs as opaque as they are to a host program: XLA may
             # neither fold the data into fn's code nor fuse the caller's computation of a
             # parameter (exp(log_sigma), say) into a block: either would change the rounding.
-            # Data and parameters apart: one barrier over both cost (negbin, float64, 10,000
-            # rows: 0.77x plain, 0.93x with two).
+            # Data and parameters apart: one barrier over both measured slower than two
+            # (negbin, float64).
             prepared, prepared_tail, valid = lax.optimization_barrier(
                 (prepared, prepared_tail, jnp.asarray(self.valid)))
             traced, shared = lax.optimization_barrier((traced, shared))

@@ -215,7 +215,7 @@ def _site_info(sites, executors) -> list:
 def _recommend(rows, sites, samples):
     if sites and all(s["rows"] <= s["block_rows"] for s in sites):
         # One block per site: every executor runs plain NumPyro's work in one piece, so a
-        # timed difference is noise (a 1.16x "win" at 100 rows was seen under load).
+        # timed difference is noise (a "win" at 100 rows was seen under load).
         sizes = ", ".join(f"{s['rows']:,}" for s in sites)
         return (f"stay with plain NumPyro: one block per pb.factor site ({sizes} rows), "
                 "nothing to split"), None
