@@ -20,7 +20,7 @@ from collections import OrderedDict
 import jax
 
 from .chunking import AdaptiveChunker, Chunk
-from .identity import frozen, snapshot
+from .identity import frozen
 from .spec import Program, SiteSpec, host_device
 
 __all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly", "MAX_SITES", "MAX_SITE_BYTES"]
@@ -130,12 +130,13 @@ class SiteState:
         # Made while the call that keyed the site is traced: copies of the NumPy arrays
         # it keeps (its data, and what fn closes over), so that it prepares, traces and
         # sends what its key says even if the user changes them in place afterwards.
+        # ``resident_leaves`` are such copies already (reduce_sum hashed its snapshots).
         fn = frozen(spec.fn)
         self.spec = spec if fn is spec.fn else spec._replace(fn=fn)
         self.decision = None
         self.measured = None
         self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
-        self._resident_leaves = tuple(snapshot(x) for x in resident_leaves)
+        self._resident_leaves = tuple(resident_leaves)
         self._lock = threading.Lock()
         self._program = None
         self._prepared = None
