@@ -58,6 +58,23 @@ def plain_regression_model(data):
     numpyro.sample("y", dist.Normal(alpha + beta * data["x"], sigma), obs=data["y"])
 
 
+def pytest_on_forced_devices(path, select: str, flag: str, devices: int = 2, *extra: str):
+    """Run the tests of ``path`` that ``-k select`` picks in a subprocess whose JAX has
+    ``devices`` forced host CPU devices (the count is fixed when JAX starts), with the
+    environment variable ``flag`` set there; returns the finished process."""
+    from pathlib import Path
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{flag: str(devices)})
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                        + f" --xla_force_host_platform_device_count={devices}").strip()
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+         *extra, "-o", "addopts=--strict-markers --import-mode=importlib", str(path),
+         "-k", select],
+        env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900,
+        check=False)
+
+
 @contextlib.contextmanager
 def local_client(workers: int = 2):
     """A client of a real dask ``LocalCluster`` of ``workers`` one-thread worker processes on

@@ -21,11 +21,9 @@ import functools
 import gc
 import os
 import re
-import subprocess
 import sys
 import warnings
 import weakref
-from pathlib import Path
 
 import cloudpickle
 import jax
@@ -225,15 +223,8 @@ def test_device_buffers_on_two_forced_devices():
     places each device's share (the count is fixed when JAX starts: a subprocess)."""
     if os.environ.get(FORCED):
         pytest.skip("this is that subprocess")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **{FORCED: "2"})
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
-                        + " --xla_force_host_platform_device_count=2").strip()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-s",
-         "-o", "addopts=--strict-markers --import-mode=importlib", __file__,
-         "-k", "test_evicted_sites_free_device_buffers"],
-        env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600,
-        check=False)
+    proc = helpers.pytest_on_forced_devices(__file__, "test_evicted_sites_free_device_buffers",
+                                            FORCED, 2, "-s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"\b2 passed", proc.stdout), proc.stdout[-2000:]
     print("\n" + "\n".join(line for line in proc.stdout.splitlines() if "device bytes" in line))

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import cloudpickle
 import jax
@@ -348,13 +346,6 @@ def test_device_executor_on_two_forced_devices():
     subprocess, as in tests/device)."""
     if os.environ.get(FORCED):
         pytest.skip("this is that subprocess")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **{FORCED: "2"})
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
-                        + " --xla_force_host_platform_device_count=2").strip()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-         "-o", "addopts=--strict-markers --import-mode=importlib", __file__, "-k", "device"],
-        env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900,
-        check=False)
+    proc = helpers.pytest_on_forced_devices(__file__, "device", FORCED)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"\b\d+ passed", proc.stdout), proc.stdout[-2000:]
