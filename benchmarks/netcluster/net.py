@@ -1,0 +1,152 @@
+"""The network of the simulated cluster: one Linux network namespace per host, joined
+by veth pairs to one bridge in the caller's namespace, which is the client's host.
+
+Everything made here is named with :data:`PREFIX`, so :func:`clean` finds and removes
+what a crashed run left behind, and nothing else. Addresses are the project's own test
+hosts, ``10.77.0.0/24``: the client's side of the bridge is ``10.77.0.1``; nothing is
+routed beyond that subnet (no default route, no forwarding, the host's own interfaces
+and routes untouched). Bandwidth is a ``tbf`` qdisc on both ends of a host's veth pair.
+Needs root and ``ip``/``tc`` (iproute2); :func:`unavailable` says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+PREFIX = "pbnc"
+BRIDGE = f"{PREFIX}-br"
+SUBNET = "10.77.0"
+CLIENT_IP = f"{SUBNET}.1"
+#: At most this many hosts (scheduler included): addresses .2 to .(2 + MAX_HOSTS - 1).
+MAX_HOSTS = 40
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """One ``ip``/``tc`` command, bounded in time; a failure says which command and why."""
+    p = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"netcluster: `{' '.join(args)}` failed ({p.returncode}): "
+                           f"{p.stderr.strip()}")
+    return p
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (not root, no iproute2), or ``None``."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (this process is not root)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}-probe"
+    made = run("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def namespaces() -> list[str]:
+    """Our namespaces that exist now."""
+    out = run("ip", "netns", "list", check=False).stdout
+    return sorted(line.split()[0] for line in out.splitlines()
+                  if line.startswith(f"{PREFIX}-"))
+
+
+def ns_pids(ns: str) -> list[int]:
+    out = run("ip", "netns", "pids", ns, check=False).stdout
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def kill_namespace_processes(ns: str, wait: float = 5.0) -> None:
+    """SIGKILL every process in ``ns`` (they are ours: only we start processes there)."""
+    deadline = time.monotonic() + wait
+    for _ in range(50):
+        pids = ns_pids(ns)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
+def clean() -> list[str]:
+    """Remove every namespace and link of ours, and the processes in them; returns what
+    was removed."""
+    removed = []
+    for ns in namespaces():
+        kill_namespace_processes(ns)
+        run("ip", "netns", "del", ns, check=False)
+        removed.append(ns)
+    links = run("ip", "-br", "link", check=False).stdout
+    for line in links.splitlines():
+        name = line.split()[0].split("@")[0] if line.strip() else ""
+        if name.startswith(f"{PREFIX}-"):
+            run("ip", "link", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+def make_bridge() -> None:
+    run("ip", "link", "add", BRIDGE, "type", "bridge")
+    run("ip", "addr", "add", f"{CLIENT_IP}/24", "dev", BRIDGE)
+    run("ip", "link", "set", BRIDGE, "up")
+
+
+def host_ip(index: int) -> str:
+    if not 0 <= index < MAX_HOSTS:
+        raise ValueError(f"netcluster: host index must be in [0, {MAX_HOSTS}), got {index}")
+    return f"{SUBNET}.{2 + index}"
+
+
+def make_host(name: str, ip: str) -> str:
+    """A namespace ``pbnc-<name>`` with ``eth0`` at ``ip`` on the bridge; returns the
+    host-side veth's name."""
+    ns = f"{PREFIX}-{name}"
+    outer = f"{PREFIX}-{name}h"
+    if len(outer) > 15:
+        raise ValueError(f"netcluster: host name {name!r} too long for a link name")
+    run("ip", "netns", "add", ns)
+    run("ip", "link", "add", outer, "type", "veth", "peer", "name", f"{PREFIX}-{name}n")
+    run("ip", "link", "set", f"{PREFIX}-{name}n", "netns", ns)
+    run("ip", "link", "set", outer, "master", BRIDGE, "up")
+    run("ip", "-n", ns, "link", "set", f"{PREFIX}-{name}n", "name", "eth0")
+    run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+    run("ip", "-n", ns, "link", "set", "eth0", "up")
+    run("ip", "-n", ns, "link", "set", "lo", "up")
+    return outer
+
+
+def _rate_bits(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for u, f in units.items():
+        if rate.lower().endswith(u):
+            return float(rate[: -len(u)]) * f
+    raise ValueError(f"netcluster: rate must look like '100mbit' or '1gbit', got {rate!r}")
+
+
+def set_rate(name: str, rate: str | None) -> None:
+    """Cap host ``name``'s link at ``rate`` both ways (``tbf``), or lift the cap (``None``)."""
+    ns, outer = f"{PREFIX}-{name}", f"{PREFIX}-{name}h"
+    if rate is None:
+        run("tc", "qdisc", "del", "dev", outer, "root", check=False)
+        run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        return
+    # A bucket of 4 ms at the rate (at least 64 KB, one segmentation-offloaded packet).
+    burst = max(64 * 1024, int(_rate_bits(rate) / 8 * 4e-3))
+    args = ["root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
+    run("tc", "qdisc", "replace", "dev", outer, *args)
+    run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", *args)
+
+
+def set_link_up(name: str, up: bool) -> None:
+    """Cut (or restore) host ``name``'s cable: its bridge-side veth down (or up)."""
+    run("ip", "link", "set", f"{PREFIX}-{name}h", "up" if up else "down")

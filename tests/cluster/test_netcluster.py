@@ -1,0 +1,145 @@
+"""NUTS through ``DaskExecutor`` on a cluster of separate network hosts (issue 40).
+
+The scheduler and every worker run in their own network namespace (``benchmarks/
+netcluster``): a 1-thread worker behind a 2 ms round trip, a 2-thread worker behind
+100 Mbit/s. Workers die and join while NUTS runs; the draws stay bitwise those of
+:class:`SerialExecutor`. A scheduler that cannot be reached fails fast, naming its
+address. Run with ``pytest -n 0 -m netcluster tests/cluster`` (as root).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.infer import MCMC, NUTS
+from parallel_backend.plugins.dask.worker import holdings
+
+import parallel_backend as pb
+
+pytestmark = [pytest.mark.netcluster, pytest.mark.dask, pytest.mark.timeout(420)]
+
+# The workers cannot import this module: its functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N = 12_000
+BLOCK_ROWS = 1000
+
+
+def make_data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n)
+    y = 0.5 + 1.2 * x + 0.8 * rng.standard_t(5, size=n)
+    counts = rng.poisson(np.exp(0.3 + 0.4 * x))
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y), "counts": jnp.asarray(counts, float)}
+
+
+def normal_rows(rows, alpha, beta, sigma):
+    return dist.Normal(alpha + beta * rows, sigma)
+
+
+def poisson_rows(rows, gamma, delta):
+    return dist.Poisson(jnp.exp(gamma + delta * rows["x"])).log_prob(rows["counts"])
+
+
+def model(data, executor=None):
+    alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    gamma = numpyro.sample("gamma", dist.Normal(0.0, 2.0))
+    delta = numpyro.sample("delta", dist.Normal(0.0, 2.0))
+    pb.observe("y", normal_rows, data["x"], alpha, beta, sigma, obs=data["y"],
+               executor=executor, block_rows=BLOCK_ROWS)
+    numpyro.factor("counts", pb.reduce_sum(poisson_rows, data, gamma, delta,
+                                           executor=executor, block_rows=BLOCK_ROWS))
+
+
+def run_nuts(executor, data, between=None, warmup=40, samples=40, seed=0):
+    """Warmup, then ``between()``, then sampling: one chain, as ``MCMC.run`` would draw."""
+    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
+    mcmc.warmup(jax.random.PRNGKey(seed), data, executor)
+    if between is not None:
+        between()
+    mcmc.run(mcmc.post_warmup_state.rng_key, data, executor)
+    return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+
+
+def kill_after(ex, cluster, host: str, calls: int, done: threading.Event):
+    """A thread that kills ``host`` once ``ex`` has made ``calls`` evaluations."""
+    def go():
+        deadline = time.monotonic() + 240
+        while ex.stats()["calls"] < calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if time.monotonic() < deadline:
+            cluster.kill(host)
+            done.set()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
+    """Three hosts die or join while one chain runs: w1 dies in warmup (its shards go to
+    w2), w3 joins before sampling, w2 dies in sampling (everything goes to w3)."""
+    data = make_data()
+    ref = run_nuts(pb.SerialExecutor(), data)
+    cluster = netcluster()
+    killed_w1, killed_w2 = threading.Event(), threading.Event()
+    with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
+        assert ex.workers == 3
+        t1 = kill_after(ex, cluster, "w1", 25, killed_w1)
+        seen = {}
+
+        def between():
+            t1.join(60)
+            assert killed_w1.is_set(), "warmup ended before w1 was killed: make it longer"
+            w3 = cluster.add_worker(threads=1, rtt_ms=1.0)
+            seen["w3"] = w3.address
+            seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2)
+
+        got = run_nuts(ex, data, between)
+        seen["t2"].join(5)
+        stats = ex.stats()
+        held = ex.client.run(holdings, ex._plugin, workers=[seen["w3"]])
+    assert killed_w2.is_set(), "sampling ended before w2 was killed: make it longer"
+    assert stats["worker_failures"] >= 2, stats
+    assert held[seen["w3"]]["shards"] >= 1, held  # the late worker took over the data
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
+
+
+def test_unreachable_scheduler_fails_fast_naming_it(netcluster):
+    """No host at the address (nothing answers on the wire), and the scheduler's host
+    with its cable cut: both fail within the timeout, naming the address; the cluster
+    works again once the cable is back."""
+    cluster = netcluster({"threads": 1})
+    nobody = "tcp://10.77.0.250:8786"
+    for address in (nobody, cluster.address):
+        t0 = time.monotonic()
+        if address == cluster.address:
+            from benchmarks.netcluster import net
+
+            net.set_link_up("s", False)
+        try:
+            with pytest.raises(ConnectionError, match=address.replace(".", r"\.")):
+                pb.DaskExecutor(address=address, timeout=3)
+        finally:
+            net_up = address == cluster.address
+            if net_up:
+                net.set_link_up("s", True)
+        assert time.monotonic() - t0 < 20, f"{address}: took {time.monotonic() - t0:.1f} s"
+    with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
+        x = jnp.arange(3000.0)
+        v = pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0, executor=ex, block_rows=500)
+        assert float(v) == float(pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0,
+                                               block_rows=500))
