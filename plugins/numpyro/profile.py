@@ -1,9 +1,13 @@
 """``pb.profile``: time one gradient of a model's log-density in plain NumPyro and on
-each executor, and say which to use.
+each executor, check the fastest inside a short NUTS run, and say which to use.
 
-This module owns :func:`profile` and its recommendation; the timing is
-:mod:`.profile_timing`'s, the report :mod:`.profile_report`'s. Imports jax, numpy,
-numpyro and the core's public names.
+This module owns :func:`profile`, the variants it builds (every ``pb.factor`` site
+swapped for plain NumPyro's sum or for ``reduce_sum`` on an executor), the executors
+profiled by default, the short NUTS run, the recommendation and the report. How a
+variant is warmed up and timed is :mod:`.profile_timing`'s, which the benchmark harness
+(``python -m benchmarks``) shares. Imports jax, numpy, numpyro and the core's public
+names; the dask and device plugins only when asked for; pandas and matplotlib only for
+``ProfileReport.to_dataframe`` and ``ProfileReport.plot``.
 
 How a model is measured: the ``pb.factor`` sites are found in a trace; the
 unconstrained initial parameters are drawn with ``init_to_uniform`` and mapped by
@@ -18,19 +22,42 @@ alike); the report gives medians.
 
 from __future__ import annotations
 
+import contextlib
+import math
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import numpyro
+from numpyro.infer import MCMC, NUTS
+from numpyro.primitives import Messenger
 
 import parallel_backend as pb
-from parallel_backend.extend import row_bytes
+from parallel_backend.extend import cpu_count, row_bytes
 
-from .profile_nuts import nuts_iterations, nuts_ms_per_gradient
-from .profile_report import ProfileReport, ProfileRow
-from .profile_timing import (executors_to_profile, gradient_fn, identical, initial_params,
-                             time_interleaved)
-from .replay import factor_sites, quietly, trace_model
+from .profile_timing import (
+    MAX_ROUNDS,
+    ROUNDS,
+    TIME_BUDGET,
+    StampedKernel,
+    medians,
+    time_interleaved,
+    warm_up,
+)
+from .replay import factor_sites, quietly, site_inputs, trace_model
 
-__all__ = ["profile", "ProfileReport", "ProfileRow", "MARGIN"]
+__all__ = [
+    "MARGIN",
+    "NutsTiming",
+    "ProfileReport",
+    "ProfileRow",
+    "gradient_fn",
+    "initial_params",
+    "nuts_ms_per_gradient",
+    "profile",
+    "swap_factors",
+]
 
 #: An executor must beat plain NumPyro by this factor to be recommended.
 MARGIN = 1.1
@@ -132,7 +159,7 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1):
             # on the same executor, not on the process-wide default.
             with pb.use_executor(ex or scratch):
                 variants.append((gradient_fn(model, model_args, model_kwargs, ex, chains), ex))
-        timed = time_interleaved(variants, z)
+        timed = _time(variants, z)
     labels = ["plain NumPyro"] + [label for label, _, _ in targets]
     rows = _rows(labels, [ex for _, ex in variants], timed)
     site_info = _site_info(sites, [ex for _, ex in variants[1:]])
@@ -208,7 +235,8 @@ def _site_info(sites, executors) -> list:
         n = int(np.shape(leaves[0])[0]) if leaves else 0
         block_rows = used.get(n) or pb.plan_blocks(n, site["block_rows"],
                                                    row_bytes=row_bytes(leaves)).block_rows
-        info.append(dict(name=name, rows=n, block_rows=block_rows, grainsize=site["grainsize"]))
+        info.append({"name": name, "rows": n, "block_rows": block_rows,
+                     "grainsize": site["grainsize"]})
     return info
 
 
@@ -243,3 +271,386 @@ def _recommend(rows, sites, samples):
             "NumPyro per gradient evaluation"), best
 
 
+# -- the variants -----------------------------------------------------------------------
+
+
+class swap_factors(Messenger):
+    """Replace the log-density of every ``pb.factor`` site.
+
+    ``executor=None`` makes it plain NumPyro (``fn(data, *shared).sum()``, as
+    ``numpyro.factor`` would add); an executor makes it ``reduce_sum`` on that
+    executor, with the site's own ``grainsize`` and ``block_rows``. The site's
+    original value is then unused, and XLA drops it from the compiled program.
+    """
+
+    def __init__(self, fn=None, executor=None):
+        self.executor = executor
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        info = site_inputs(msg)
+        if info is None:
+            return
+        fn, data, shared = info["fn"], info["data"], info["shared"]
+        if self.executor is None:
+            value = fn(data, *shared).sum()
+        else:
+            value = pb.reduce_sum(fn, data, *shared, executor=self.executor,
+                                  grainsize=info["grainsize"], block_rows=info["block_rows"])
+        msg["fn"] = numpyro.distributions.Unit(value)
+
+
+def gradient_fn(model, model_args, model_kwargs, executor, chains: int = 1):
+    """jit(value_and_grad(potential energy)) with the pb.factor sites swapped; under
+    ``vmap`` over a leading axis of parameter sets when ``chains > 1``."""
+    swapped = swap_factors(model, executor)
+
+    def potential(z):
+        return numpyro.infer.util.potential_energy(swapped, model_args, model_kwargs, z)
+
+    grad = jax.value_and_grad(potential)
+    return jax.jit(jax.vmap(grad) if chains > 1 else grad)
+
+
+def identical(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y, equal_nan=True)
+        for x, y in zip(la, lb))
+
+
+def initial_params(model, model_args, model_kwargs, chains: int = 1):
+    """Unconstrained values of the latent sites, drawn as NUTS would initialise them;
+    with ``chains > 1``, one draw per chain (seeds ``0 .. chains - 1``) stacked on a
+    leading axis, as vectorized chains hold them."""
+
+    def one(seed):
+        trace = trace_model(model, model_args, model_kwargs, seed=seed,
+                            substitute_fn=numpyro.infer.initialization.init_to_uniform)
+        latent = {name: site["value"] for name, site in trace.items()
+                  if site["type"] == "sample" and not site["is_observed"]
+                  and not site["infer"].get("is_auxiliary")}
+        return numpyro.infer.util.unconstrain_fn(model, model_args, model_kwargs, latent)
+
+    if chains == 1:
+        return one(0)
+    return jax.tree.map(lambda *z: jnp.stack(z), *[one(k) for k in range(chains)])
+
+
+# -- the executors to profile -----------------------------------------------------------
+
+
+def _worker_counts(cores: int) -> list[int]:
+    counts = sorted({1 << k for k in range(int(math.log2(max(cores, 1))) + 1)} | {cores})
+    return [c for c in counts if c <= cores]
+
+
+def _local_executors():
+    """(label, executor) of every executor available here, in order."""
+    out = [("SerialExecutor()", pb.SerialExecutor())]
+    cores = cpu_count()
+    for w in _worker_counts(cores):
+        out.append((f"ThreadExecutor({w}, dispatch='host')", pb.ThreadExecutor(w, dispatch="host")))
+    if cores > 1:
+        out.append((f"ThreadExecutor({cores})", pb.ThreadExecutor(cores)))
+    if len(jax.devices()) > 1:
+        try:
+            device_cls = pb.DeviceExecutor
+        except (ImportError, AttributeError):  # the device plugin is not installed
+            device_cls = None
+        if device_cls is not None:
+            n = len(jax.devices())
+            out.append((f"DeviceExecutor({n} devices, dispatch='host')", device_cls(dispatch="host")))
+            out.append((f"DeviceExecutor({n} devices)", device_cls()))
+    return out
+
+
+def _label(ex) -> str:
+    return f"{type(ex).__name__}(workers={ex.workers}, dispatch={ex.dispatch!r})"
+
+
+def executors_to_profile(executors):
+    """[(label, executor, owned)]: what to profile, and whether we close it afterwards."""
+    if executors is None:
+        return [(label, ex, True) for label, ex in _local_executors()]
+    if isinstance(executors, (str, pb.Executor)) or not hasattr(executors, "__iter__"):
+        executors = [executors]
+    items = executors.items() if isinstance(executors, dict) else [(None, e) for e in executors]
+    out = []
+    for label, e in items:
+        if isinstance(e, str) and e == "local":
+            out += [(lb, ex, True) for lb, ex in _local_executors()]
+        elif isinstance(e, pb.Executor):
+            out.append((label or _label(e), e, False))
+        elif isinstance(e, str):
+            out.append((label or e, pb.make_executor(e), True))
+        elif type(e).__module__.startswith("distributed") and type(e).__name__ == "Client":
+            ex = pb.DaskExecutor(client=e)
+            out.append((label or f"DaskExecutor({ex.workers} workers)", ex, True))
+        else:
+            raise TypeError(
+                "profile: executors must be None or a list of executors, executor names "
+                f"(one of {pb.known_executors()}), 'local' (the local defaults) or "
+                f"distributed.Client objects; got {type(e).__name__}")
+    return out
+
+
+# -- timing -----------------------------------------------------------------------------
+
+
+def _snapshot(executor):
+    s = executor.stats()
+    return s["seconds_in_workers"], s["host_calls"], s["chunks"]
+
+
+class Timings:
+    """What :func:`_time` measured, per variant (in the order given).
+
+    Attributes
+    ----------
+    outputs : list
+        Each variant's first value and gradient.
+    times : list of list of float
+        Seconds of every timed round.
+    rounds : int
+    busy, host_calls, chunks : list
+        Per executor variant, what its stats grew by during the timed rounds (``None``
+        for plain NumPyro).
+    """
+
+    def __init__(self, outputs, times, rounds, before, after):
+        self.outputs, self.times, self.rounds = outputs, times, rounds
+        self.busy, self.host_calls, self.chunks = [], [], []
+        for b, a in zip(before, after):
+            grew = None if b is None else tuple(x - y for x, y in zip(a, b))
+            self.busy.append(None if grew is None else grew[0])
+            self.host_calls.append(None if grew is None else grew[1])
+            self.chunks.append(None if grew is None else grew[2])
+
+    @property
+    def seconds(self) -> list:
+        return medians(self.times)
+
+
+def _time(variants, z) -> Timings:
+    """Warm up each ``(f, executor)`` (compiled; its chunker settled), then time them all
+    in interleaved rounds at the parameters ``z``, more rounds for fast models."""
+    outputs = [warm_up(f, (z,), ex) for f, ex in variants]
+    before = [_snapshot(ex) if ex is not None else None for _, ex in variants]
+    times = time_interleaved([f for f, _ in variants], (z,), rounds=ROUNDS,
+                             max_rounds=MAX_ROUNDS, budget=TIME_BUDGET)
+    after = [_snapshot(ex) if ex is not None else None for _, ex in variants]
+    return Timings(outputs, times, len(times[0]), before, after)
+
+
+# -- inside NUTS ------------------------------------------------------------------------
+
+
+#: Trees of at most 2**4 - 1 = 15 leapfrog steps: the run measures the cost of a
+#: gradient inside the sampler, not how well NUTS adapts.
+MAX_TREE_DEPTH = 4
+#: Seconds the timed part of one run should take (about), and its bounds in draws.
+SECONDS = 3.0
+MIN_DRAWS, MAX_DRAWS = 10, 50
+
+
+class NutsTiming(NamedTuple):
+    """One short NUTS run.
+
+    Attributes
+    ----------
+    ms_per_gradient : float
+        Wall time of the timed draws (compiled by then) over their leapfrog steps.
+    draws : int
+        Draws timed (after as many draws that compiled and warmed up).
+    gradients : int
+        Leapfrog steps (gradient evaluations) in the timed draws.
+    """
+
+    ms_per_gradient: float
+    draws: int
+    gradients: int
+
+
+def nuts_iterations(seconds_per_gradient: float) -> int:
+    """Draws to time so that the run takes about :data:`SECONDS` at trees of half the
+    maximum size."""
+    steps = 2 ** (MAX_TREE_DEPTH - 1)
+    n = int(SECONDS / max(seconds_per_gradient * steps, 1e-9))
+    return max(MIN_DRAWS, min(MAX_DRAWS, n))
+
+
+def nuts_ms_per_gradient(model, model_args, model_kwargs, executor, draws: int,
+                         seed: int = 0, chains: int = 1) -> NutsTiming:
+    """Milliseconds per gradient of ``model`` in a short NUTS run, with every
+    ``pb.factor`` site summed by plain NumPyro (``executor=None``) or by ``reduce_sum``
+    on ``executor``.
+
+    One run of ``draws`` warmup iterations (compilation, step-size adaptation) and
+    ``draws`` draws; the draws are timed from the end of the last warmup iteration,
+    with a host timestamp after every transition, so compilation is not counted.
+    ``chains > 1``: that many vectorized chains, each gradient evaluation carrying all
+    of them.
+    """
+    kernel = StampedKernel(NUTS(swap_factors(model, executor), max_tree_depth=MAX_TREE_DEPTH))
+    mcmc = MCMC(kernel, num_warmup=draws, num_samples=draws, num_chains=chains,
+                chain_method="vectorized", progress_bar=False)
+    # The site's own reduce_sum (whose value the swap drops) is traced on the same
+    # executor, not on the process-wide default (plain NumPyro: the caller's choice).
+    with pb.use_executor(executor) if executor is not None else contextlib.nullcontext():
+        mcmc.run(jax.random.PRNGKey(seed), *model_args, **model_kwargs)
+        jax.block_until_ready(mcmc.last_state)
+    seconds, gradients, timed = kernel.after(draws)
+    return NutsTiming(seconds / max(gradients, 1) * 1e3, timed, gradients)
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+class ProfileRow(NamedTuple):
+    """One variant's measurement.
+
+    Attributes
+    ----------
+    executor : str
+        Label: ``"plain NumPyro"`` or the executor with its settings.
+    kind : str
+        ``"plain"`` or the executor's registered name (``"serial"``, ``"thread"``,
+        ``"dask"``, ``"device"``).
+    workers : int
+        Tasks that can run at once (1 for plain NumPyro).
+    dispatch : str
+        Where the block loop ran: ``"graph"`` (inside the XLA program), ``"host"``
+        (chunks on the executor's workers), ``"-"`` for plain NumPyro.
+    seconds : float
+        Median seconds of one value-and-gradient evaluation of the log-density.
+    speedup : float
+        Plain NumPyro's seconds divided by ``seconds``: above 1 is faster than plain.
+    efficiency : float or None
+        Parallel efficiency: seconds of the one-worker thread executor (host
+        dispatch) divided by ``workers * seconds`` for executors whose chunks ran on
+        workers; for a ``shard_map`` (``DeviceExecutor(dispatch="graph")``),
+        ``SerialExecutor``'s seconds divided by
+        ``workers * seconds``; ``None`` where it does not apply.
+    overhead : float or None
+        Share of the workers' time not spent evaluating chunks (task dispatch,
+        callbacks, idle workers): ``1 - busy / (workers_used * seconds)``; ``None``
+        where no chunk ran on workers (graph dispatch, plain NumPyro).
+    chunk_rows : tuple of int
+        Rows per chunk at which the executor ran (the settled chunker's choice, or
+        the model's ``grainsize``); empty for plain NumPyro.
+    identical : bool or None
+        Whether value and gradient are bitwise equal to ``SerialExecutor``'s
+        (``None`` for plain NumPyro, whose arithmetic is not blocked).
+    """
+
+    executor: str
+    kind: str
+    workers: int
+    dispatch: str
+    seconds: float
+    speedup: float
+    efficiency: float | None
+    overhead: float | None
+    chunk_rows: tuple
+    identical: bool | None
+
+
+class ProfileReport:
+    """What :func:`parallel_backend.profile` measured, and its recommendation.
+
+    ``repr(report)`` is a table; ``to_dataframe()`` and ``plot()`` need pandas and
+    matplotlib.
+
+    Attributes
+    ----------
+    rows : list of ProfileRow
+        Plain NumPyro first, then each executor in the order profiled.
+    sites : list of dict
+        Per ``pb.factor`` site: ``name``, ``rows`` (N) and ``block_rows``.
+    recommendation : str
+        One sentence: the executor and grainsize to use, or to stay with plain
+        NumPyro. An executor is recommended only when it beats plain NumPyro by
+        ``MARGIN`` (10%) both in the median and in the fastest timed round.
+    best : ProfileRow or None
+        The recommended row; ``None`` when plain NumPyro is recommended.
+    samples : dict
+        Per variant (by ``executor`` label): the seconds of every timed round, in
+        order, whose median is the row's ``seconds``.
+    nuts : dict or None
+        When an executor beat plain NumPyro per isolated gradient: the short NUTS runs
+        that checked it, ``{label: NutsTiming}`` for plain NumPyro and that executor
+        (milliseconds per gradient inside the sampler); ``None`` otherwise.
+    chains : int
+        Vectorized chains each evaluation carried (``profile(..., chains=)``).
+    """
+
+    def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None, chains=1):
+        self.rows = list(rows)
+        self.chains = chains
+        self.nuts = nuts
+        self.samples = samples or {}
+        self.sites = list(sites)
+        self.recommendation = recommendation
+        self.best = best
+
+    def to_dataframe(self):
+        """The rows as a ``pandas.DataFrame``, one row per variant."""
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError('ProfileReport.to_dataframe needs pandas: '
+                              'pip install "parallel-backend[plot]"') from e
+        return pd.DataFrame([r._asdict() for r in self.rows])
+
+    def plot(self, ax=None):
+        """A bar chart of speedup over plain NumPyro per variant; returns the axes."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError('ProfileReport.plot needs matplotlib: '
+                              'pip install "parallel-backend[plot]"') from e
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 0.45 * len(self.rows) + 1.2))
+        labels = [r.executor for r in self.rows]
+        speedups = [r.speedup for r in self.rows]
+        colors = ["tab:gray" if r.kind == "plain" else
+                  "tab:green" if r is self.best else "tab:blue" for r in self.rows]
+        ax.barh(labels, speedups, color=colors)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_xlabel("speedup over plain NumPyro (per gradient evaluation)")
+        ax.set_title(self.recommendation, fontsize=9, wrap=True)
+        return ax
+
+    def __repr__(self) -> str:
+        head = ["executor", "workers", "dispatch", "ms/grad", "speedup", "efficiency",
+                "overhead", "chunk rows", "= serial"]
+        table = [head]
+        for r in self.rows:
+            table.append([
+                r.executor, str(r.workers), r.dispatch, f"{r.seconds * 1e3:.3f}",
+                f"{r.speedup:.2f}x", _fmt(r.efficiency, "{:.2f}"), _fmt(r.overhead, "{:.0%}"),
+                ",".join(f"{c:,}" for c in r.chunk_rows) or "-",
+                {None: "-", True: "yes", False: "NO"}[r.identical]])
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        sites = "; ".join(f"{s['name']}: {s['rows']:,} rows in blocks of {s['block_rows']:,}"
+                          for s in self.sites)
+        nuts = []
+        if self.nuts:
+            nuts = ["inside NUTS (" + ", ".join(
+                f"{label}: {t.ms_per_gradient:.3f} ms/grad over {t.gradients} gradients"
+                for label, t in self.nuts.items()) + ")"]
+        what = ("one value-and-gradient evaluation" if self.chains == 1 else
+                f"one value-and-gradient evaluation of {self.chains} vectorized chains")
+        return "\n".join([f"pb.profile: {what} ({sites})", *lines,
+                          *nuts, f"recommendation: {self.recommendation}"])
+
+    __str__ = __repr__
+
+
+def _fmt(x, spec):
+    return "-" if x is None else spec.format(x)

@@ -1,35 +1,38 @@
-"""Timing a model's gradient for ``pb.profile``: the variants and how they are timed.
+"""The timing that ``pb.profile`` and the benchmark harness (``python -m benchmarks``) share.
 
-This module owns the handler that swaps the ``pb.factor`` sites of a model for
-plain ``numpyro.factor`` sites or for ``reduce_sum`` on a given executor, the
-executors profiled by default, and the interleaved timing of
-``jit(value_and_grad(potential_energy))`` per variant. Imports jax, numpy, numpyro
-and the core's public names; the dask and device plugins only when asked for.
+This module owns how a variant is warmed up (compiled, its chunker settled), how several
+variants are timed (interleaved rounds, so that drift on a shared machine hits them
+alike, reported as medians), and how a sampler's run is timed without its compilation
+and warmup (:class:`StampedKernel`, a host timestamp after every transition). What is
+timed (a model's potential, a likelihood's value and gradient in a compiled loop, a NUTS
+run) is the caller's. Imports jax, numpy and numpyro's ``MCMCKernel``; nothing of the
+package, so the harness can import it before it has chosen the executors to time.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import numpyro
-from numpyro.primitives import Messenger
+from numpyro.infer.mcmc import MCMCKernel
 
-import parallel_backend as pb
-from parallel_backend.extend import cpu_count
+__all__ = [
+    "MAX_ROUNDS",
+    "MAX_WARMUP",
+    "ROUNDS",
+    "TIME_BUDGET",
+    "StampedKernel",
+    "call",
+    "medians",
+    "settled",
+    "time_interleaved",
+    "warm_up",
+]
 
-from .replay import site_inputs, trace_model
-
-__all__ = ["swap_factors", "executors_to_profile", "gradient_fn", "initial_params",
-           "time_interleaved", "Timings", "identical"]
-
-#: Timed rounds (each variant once per round); the report gives medians. Fast models
-#: get more rounds, up to MAX_ROUNDS or until every variant has run TIME_BUDGET
-#: seconds in all, so that a few slow calls (another process taking the cores) do
-#: not decide the median.
+#: Timed rounds (each variant once per round). ``pb.profile`` adds rounds to fast
+#: models, up to MAX_ROUNDS or until every variant has run TIME_BUDGET seconds in all,
+#: so that a few slow calls (another process taking the cores) do not decide the median.
 ROUNDS = 7
 MAX_ROUNDS = 61
 TIME_BUDGET = 0.25
@@ -37,193 +40,103 @@ TIME_BUDGET = 0.25
 MAX_WARMUP = 30
 
 
-class swap_factors(Messenger):
-    """Replace the log-density of every ``pb.factor`` site.
+def call(f, *args):
+    """``f(*args)``, waited for: what one timed call is."""
+    return jax.block_until_ready(f(*args))
 
-    ``executor=None`` makes it plain NumPyro (``fn(data, *shared).sum()``, as
-    ``numpyro.factor`` would add); an executor makes it ``reduce_sum`` on that
-    executor, with the site's own ``grainsize`` and ``block_rows``. The site's
-    original value is then unused, and XLA drops it from the compiled program.
+
+def settled(executor) -> bool:
+    """Whether every site ``executor`` evaluated has settled its chunk sizes (``True``
+    for ``None``, plain NumPyro, and for sites with a fixed grainsize)."""
+    if executor is None:
+        return True
+    return all(s.get("settled") is not False for s in executor.stats()["sites"])
+
+
+def warm_up(f, args=(), executor=None, calls: int = 2, most: int = MAX_WARMUP):
+    """Call ``f(*args)`` ``calls`` times (the first compiles), then until ``executor``'s
+    chunker has settled, at most ``most`` calls in all. Returns the first output."""
+    first = call(f, *args)
+    done = 1
+    while done < calls or (done < most and not settled(executor)):
+        call(f, *args)
+        done += 1
+    return first
+
+
+def time_interleaved(fns, args=(), rounds: int = ROUNDS, max_rounds: int | None = None,
+                     budget: float = 0.0) -> list:
+    """Seconds of every timed call of each ``f(*args)`` in ``fns``, in order.
+
+    Every round calls each function once, in turn. After ``rounds`` rounds, rounds go on
+    while some function has run less than ``budget`` seconds in all, up to
+    ``max_rounds``. Warm the functions up first (:func:`warm_up`): the first call of a
+    jitted function compiles.
+
+    Examples
+    --------
+    >>> times = time_interleaved([lambda x: x + 1, lambda x: x * 2], (1.0,), rounds=3)
+    >>> [len(t) for t in times]
+    [3, 3]
     """
-
-    def __init__(self, fn=None, executor=None):
-        self.executor = executor
-        super().__init__(fn)
-
-    def process_message(self, msg):
-        info = site_inputs(msg)
-        if info is None:
-            return
-        fn, data, shared = info["fn"], info["data"], info["shared"]
-        if self.executor is None:
-            value = fn(data, *shared).sum()
-        else:
-            value = pb.reduce_sum(fn, data, *shared, executor=self.executor,
-                                  grainsize=info["grainsize"], block_rows=info["block_rows"])
-        msg["fn"] = numpyro.distributions.Unit(value)
+    max_rounds = rounds if max_rounds is None else max(rounds, max_rounds)
+    times = [[] for _ in fns]
+    done = 0
+    while done < rounds or (done < max_rounds and min(sum(t) for t in times) < budget):
+        for f, t in zip(fns, times):
+            t0 = time.perf_counter()
+            call(f, *args)
+            t.append(time.perf_counter() - t0)
+        done += 1
+    return times
 
 
-
-# -- the executors to profile ------------------------------------------------------------
-
-
-def _worker_counts(cores: int) -> list[int]:
-    counts = sorted({1 << k for k in range(int(math.log2(max(cores, 1))) + 1)} | {cores})
-    return [c for c in counts if c <= cores]
+def medians(times) -> list:
+    """The median of each list of seconds."""
+    return [float(np.median(t)) for t in times]
 
 
-def _local_executors():
-    """(label, executor) of every executor available here, in order."""
-    out = [("SerialExecutor()", pb.SerialExecutor())]
-    cores = cpu_count()
-    for w in _worker_counts(cores):
-        out.append((f"ThreadExecutor({w}, dispatch='host')", pb.ThreadExecutor(w, dispatch="host")))
-    if cores > 1:
-        out.append((f"ThreadExecutor({cores})", pb.ThreadExecutor(cores)))
-    if len(jax.devices()) > 1:
-        try:
-            device_cls = pb.DeviceExecutor
-        except (ImportError, AttributeError):  # the device plugin is not installed
-            device_cls = None
-        if device_cls is not None:
-            n = len(jax.devices())
-            out.append((f"DeviceExecutor({n} devices, dispatch='host')", device_cls(dispatch="host")))
-            out.append((f"DeviceExecutor({n} devices)", device_cls()))
-    return out
+class StampedKernel(MCMCKernel):
+    """``kernel`` that records the host time at the end of every transition (NUTS or
+    HMC: the state has ``i``, ``num_steps`` and ``potential_energy``), so that a run's
+    sampling phase can be timed without its compilation and warmup."""
 
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.stamps = []  # (iteration, leapfrog steps, seconds)
 
-def _label(ex) -> str:
-    return f"{type(ex).__name__}(workers={ex.workers}, dispatch={ex.dispatch!r})"
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        return self.kernel.init(rng_key, num_warmup, init_params, model_args, model_kwargs)
 
+    def sample(self, state, model_args, model_kwargs):
+        new = self.kernel.sample(state, model_args, model_kwargs)
+        # The potential energy depends on the whole transition: the callback runs after it.
+        jax.debug.callback(self._stamp, new.i, new.num_steps, new.potential_energy)
+        return new
 
-def executors_to_profile(executors):
-    """[(label, executor, owned)]: what to profile, and whether we close it afterwards."""
-    if executors is None:
-        return [(label, ex, True) for label, ex in _local_executors()]
-    if isinstance(executors, (str, pb.Executor)) or not hasattr(executors, "__iter__"):
-        executors = [executors]
-    items = executors.items() if isinstance(executors, dict) else [(None, e) for e in executors]
-    out = []
-    for label, e in items:
-        if isinstance(e, str) and e == "local":
-            out += [(lb, ex, True) for lb, ex in _local_executors()]
-        elif isinstance(e, pb.Executor):
-            out.append((label or _label(e), e, False))
-        elif isinstance(e, str):
-            out.append((label or e, pb.make_executor(e), True))
-        elif type(e).__module__.startswith("distributed") and type(e).__name__ == "Client":
-            ex = pb.DaskExecutor(client=e)
-            out.append((label or f"DaskExecutor({ex.workers} workers)", ex, True))
-        else:
-            raise TypeError(
-                "profile: executors must be None or a list of executors, executor names "
-                f"(one of {pb.known_executors()}), 'local' (the local defaults) or "
-                f"distributed.Client objects; got {type(e).__name__}")
-    return out
+    def _stamp(self, i, steps, _):
+        # Vectorized chains: one evaluation carries every chain, as many as the longest needs.
+        self.stamps.append((int(np.max(i)), int(np.max(steps)), time.perf_counter()))
 
+    def after(self, num_warmup: int) -> tuple:
+        """``(seconds, gradients, draws)`` of the transitions after the first
+        ``num_warmup``, timed from the end of the last warmup transition. Under
+        vectorized chains ``gradients`` counts evaluations (each carries every chain:
+        per transition, the leapfrog steps of the longest chain). One chain's run (or
+        vectorized chains): the stamps of several sequential chains interleave."""
+        jax.effects_barrier()
+        stamps = sorted(self.stamps)
+        start = next(t for i, _, t in stamps if i == num_warmup)
+        timed = [(steps, t) for i, steps, t in stamps if i > num_warmup]
+        return timed[-1][1] - start, sum(steps for steps, _ in timed), len(timed)
 
-
-# -- timing -------------------------------------------------------------------------------
-
-
-def gradient_fn(model, model_args, model_kwargs, executor, chains: int = 1):
-    """jit(value_and_grad(potential energy)) with the pb.factor sites swapped; under
-    ``vmap`` over a leading axis of parameter sets when ``chains > 1``."""
-    swapped = swap_factors(model, executor)
-
-    def potential(z):
-        return numpyro.infer.util.potential_energy(swapped, model_args, model_kwargs, z)
-
-    grad = jax.value_and_grad(potential)
-    return jax.jit(jax.vmap(grad) if chains > 1 else grad)
-
-
-def identical(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y, equal_nan=True)
-        for x, y in zip(la, lb))
-
-
-def initial_params(model, model_args, model_kwargs, chains: int = 1):
-    """Unconstrained values of the latent sites, drawn as NUTS would initialise them;
-    with ``chains > 1``, one draw per chain (seeds ``0 .. chains - 1``) stacked on a
-    leading axis, as vectorized chains hold them."""
-
-    def one(seed):
-        trace = trace_model(model, model_args, model_kwargs, seed=seed,
-                            substitute_fn=numpyro.infer.initialization.init_to_uniform)
-        latent = {name: site["value"] for name, site in trace.items()
-                  if site["type"] == "sample" and not site["is_observed"]
-                  and not site["infer"].get("is_auxiliary")}
-        return numpyro.infer.util.unconstrain_fn(model, model_args, model_kwargs, latent)
-
-    if chains == 1:
-        return one(0)
-    return jax.tree.map(lambda *z: jnp.stack(z), *[one(k) for k in range(chains)])
-
-
-def _call(f, z):
-    return jax.block_until_ready(f(z))
-
-
-def _settled(executor) -> bool:
-    return all(s["settled"] is not False for s in executor.stats()["sites"])
-
-
-def _snapshot(executor):
-    s = executor.stats()
-    return s["seconds_in_workers"], s["host_calls"], s["chunks"]
-
-
-class Timings:
-    """What :func:`time_interleaved` measured, per variant (in the order given).
-
-    Attributes
-    ----------
-    outputs : list
-        Each variant's first value and gradient.
-    times : list of list of float
-        Seconds of every timed round.
-    rounds : int
-    busy, host_calls, chunks : list
-        Per executor variant, what its stats grew by during the timed rounds (``None``
-        for plain NumPyro).
-    """
-
-    def __init__(self, outputs, times, rounds, before, after):
-        self.outputs, self.times, self.rounds = outputs, times, rounds
-        self.busy, self.host_calls, self.chunks = [], [], []
-        for b, a in zip(before, after):
-            grew = None if b is None else tuple(x - y for x, y in zip(a, b))
-            self.busy.append(None if grew is None else grew[0])
-            self.host_calls.append(None if grew is None else grew[1])
-            self.chunks.append(None if grew is None else grew[2])
+    def postprocess_fn(self, model_args, model_kwargs):
+        return self.kernel.postprocess_fn(model_args, model_kwargs)
 
     @property
-    def seconds(self) -> list:
-        return [float(np.median(t)) for t in self.times]
+    def sample_field(self):
+        return self.kernel.sample_field
 
-
-def time_interleaved(variants, z) -> Timings:
-    """Warm up each ``(f, executor)`` (compiled; its chunker settled), then time them all
-    in interleaved rounds at the parameters ``z``."""
-    outputs = []
-    for f, ex in variants:
-        outputs.append(_call(f, z))
-        _call(f, z)
-        for _ in range(MAX_WARMUP):
-            if ex is None or _settled(ex):
-                break
-            _call(f, z)
-    before = [_snapshot(ex) if ex is not None else None for _, ex in variants]
-    times = [[] for _ in variants]
-    rounds = 0
-    while rounds < ROUNDS or (rounds < MAX_ROUNDS and min(sum(t) for t in times) < TIME_BUDGET):
-        for i, (f, _) in enumerate(variants):
-            t0 = time.perf_counter()
-            _call(f, z)
-            times[i].append(time.perf_counter() - t0)
-        rounds += 1
-    after = [_snapshot(ex) if ex is not None else None for _, ex in variants]
-    return Timings(outputs, times, rounds, before, after)
+    @property
+    def model(self):
+        return self.kernel.model
