@@ -1,87 +1,69 @@
-"""Draw the plots of docs/performance.md from the results files they summarize.
+"""The plots of ``docs/performance.md`` from benchmark records: ``python -m benchmarks plot``.
 
-    python benchmarks/plots.py            # writes docs/_static/speedup_*.png
+Two figures, drawn from records (:mod:`.records`) and nothing typed in by hand:
 
-Two figures, each read from the raw output that the benchmark run saved in
-``benchmarks/results/`` (nothing typed in by hand):
+- ``speedup_rows_<likelihood>.png``, from ``gradients`` records of one likelihood at
+  several row counts: ``ThreadExecutor()`` (solid) and ``SerialExecutor()`` (dotted) as
+  ratios to plain NumPyro in the same run, one line per Python and jax version, one panel
+  per precision.
+- ``speedup_cores_<cores>.png``, from ``scaling`` records: ``ThreadExecutor(w,
+  dispatch="host")`` and plain NumPyro on ``w`` cores, each against plain NumPyro pinned
+  to one core, one panel per likelihood.
 
-- ``speedup_rows_hmm.png``: the HMM's value and gradient per evaluation against the
-  number of sequences, ``ThreadExecutor()`` and ``SerialExecutor()`` as ratios to plain
-  NumPyro on the same 2 cores, on both supported stacks, float32 and float64
-  (``bench_gradients.py`` lines of ``hmm_ynn_xeon_2026-11-26.txt`` and
-  ``hmm_200k_xeon_2026-11-26.txt``).
-- ``speedup_cores_16.png``: thread scaling on 16 cores, the threads and plain NumPyro
-  each against plain NumPyro pinned to one core (``bench_scaling.py``'s JSON lines in
-  ``device_h100_16core_2026-11-26.txt``).
-
-The PNGs are committed (the docs build only shows them); run this again when those
-results files change. Same input, same bytes: no date or version in the files.
+The PNGs are committed (the docs build only shows them); draw them again when their
+records change. Same records, same bytes: no date or version in the files' metadata.
+Imports matplotlib.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
 from collections import defaultdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
-STATIC = os.path.join(os.path.dirname(HERE), "docs", "_static")
-
-HMM_FILES = ("hmm_ynn_xeon_2026-11-26.txt", "hmm_200k_xeon_2026-11-26.txt")
-SCALING_FILE = "device_h100_16core_2026-11-26.txt"
-
-# "# python3.11 jax 0.10.2 float32" heads a block; "(py3.12, jax 0.12.0.1) hmm_200k ..."
-# names its stack on the line itself.
-_BLOCK = re.compile(r"^# python(3\.\d+) jax ([\d.]+)")
-_PREFIX = re.compile(r"^\(py(3\.\d+), jax ([\d.]+)\)\s*")
-_LINE = re.compile(r"^hmm_\w+\s+N=\s*([\d,]+)\s+(float32|float64)\s+cores=(\d+)\s+plain=[\d.]+ms"
-                   r"\s+serial=([\d.]+)x\s+thread=([\d.]+)x")
+__all__ = ["cores_data", "draw_cores", "draw_rows", "plot", "rows_data"]
 
 
-def hmm_rows(paths):
-    """{(python, jax, dtype): {variant: [(sequences, ratio to plain)]}} from bench_gradients lines."""
+def _when(recs) -> str:
+    dates = sorted({r["date"] for r in recs})
+    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+
+
+def rows_data(records, likelihood=None):
+    """``(likelihood, {(python, jax, dtype): {variant: [(rows, ratio)]}}, records used)``
+    from the ``gradients`` records of ``likelihood`` (default: the one measured at the
+    most row counts)."""
+    grads = [r for r in records if r["bench"] == "gradients" and r["ratio"] is not None]
+    if likelihood is None:
+        sizes = defaultdict(set)
+        for r in grads:
+            sizes[r["likelihood"]].add(r["rows"])
+        if not sizes:
+            return None, {}, []
+        likelihood = max(sorted(sizes), key=lambda k: len(sizes[k]))
+    used = [r for r in grads if r["likelihood"] == likelihood
+            and r["variant"] in ("thread", "serial") and not r["settings"].get("sets")]
+    latest = {(r["python"], r["jax"], r["dtype"], r["variant"], r["rows"]): r["ratio"]
+              for r in used}
     out = defaultdict(lambda: defaultdict(list))
-    for path in paths:
-        stack = None
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                block = _BLOCK.match(line)
-                if block:
-                    stack = block.groups()
-                    continue
-                prefix = _PREFIX.match(line)
-                line_stack = prefix.groups() if prefix else stack
-                match = _LINE.match(line[prefix.end():] if prefix else line)
-                if not match or line_stack is None:
-                    continue
-                n, dtype, _, serial, thread = match.groups()
-                key = (*line_stack, dtype)
-                out[key]["thread"].append((int(n.replace(",", "")), float(thread)))
-                out[key]["serial"].append((int(n.replace(",", "")), float(serial)))
-    for per in out.values():
-        for points in per.values():
-            points.sort()
-    return out
+    for (python, jax, dtype, variant, rows), ratio in sorted(latest.items()):
+        out[(python, jax, dtype)][variant].append((rows, ratio))
+    return likelihood, out, used
 
 
-def scaling(path):
-    """{likelihood: {workers: (plain seconds, threads seconds)}} from bench_scaling's JSON lines."""
+def cores_data(records):
+    """``({likelihood: {workers: (plain seconds, threads seconds)}}, records used)`` from
+    the ``scaling`` records."""
+    used = [r for r in records if r["bench"] == "scaling"]
     out = defaultdict(dict)
-    inside = False
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.startswith("===="):
-                inside = line.strip().endswith("cpu_scaling.jsonl")
-                continue
-            if inside and line.startswith("{"):
-                rec = json.loads(line)
-                out[rec["likelihood"]][int(rec["workers"])] = (rec["seconds"]["plain"],
-                                                               rec["seconds"]["threads"])
-    return out
+    for r in used:
+        w = int(r["settings"]["workers"])
+        plain, threads = out[r["likelihood"], r["rows"]].get(w, (None, None))
+        if r["variant"] == "plain":
+            plain = r["seconds"]
+        elif r["variant"] == "thread_host":
+            threads = r["seconds"]
+        out[r["likelihood"], r["rows"]][w] = (plain, threads)
+    return ({k: v for k, v in out.items()
+             if all(p and t for p, t in v.values()) and 1 in v}, used)
 
 
 def _pyplot():
@@ -98,7 +80,8 @@ def _save(fig, path):
     fig.savefig(path, dpi=100, metadata={"Software": None})
 
 
-def draw_rows(data, path):
+def draw_rows(data, path, title="", what="HMM, 4 states, 100 steps",
+              xlabel="sequences (rows)"):
     plt = _pyplot()
     dtypes = ("float32", "float64")
     fig, axes = plt.subplots(1, 2, figsize=(9, 4.2), sharey=True)
@@ -107,6 +90,7 @@ def draw_rows(data, path):
     labels = {"thread": "ThreadExecutor()", "serial": "SerialExecutor()"}
     for ax, dtype in zip(axes, dtypes):
         for (python, jax, dt), per in sorted(data.items()):
+            python = ".".join(python.split(".")[:2])
             if dt != dtype:
                 continue
             for variant in ("thread", "serial"):
@@ -116,24 +100,24 @@ def draw_rows(data, path):
                         label=f"{labels[variant]}, Python {python} (jax {jax})")
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8, label="plain NumPyro")
         ax.set_xscale("log")
-        ax.set_title(f"HMM, 4 states, 100 steps, {dtype}", fontsize=9)
-        ax.set_xlabel("sequences (rows)")
+        ax.set_title(f"{what}, {dtype}", fontsize=9)
+        ax.set_xlabel(xlabel)
         ax.grid(True, which="major", linewidth=0.3)
     axes[0].set_ylabel("speedup over plain NumPyro, per gradient")
     axes[0].set_ylim(bottom=0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3, frameon=False)
-    fig.suptitle("2 cores, Intel Xeon (KVM), 2026-11-26", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     _save(fig, path)
     plt.close(fig)
 
 
-def draw_cores(data, path):
+def draw_cores(data, path, title="", dtype="float32"):
     plt = _pyplot()
-    names = {"hmm_50k": "HMM, 50,000 sequences", "negbin_1M": "negative binomial, 1M rows"}
+    names = {"hmm": "HMM, {:,} sequences", "negbin": "negative binomial, {:,} rows"}
     fig, axes = plt.subplots(1, len(data), figsize=(9, 3.6), sharey=True, squeeze=False)
-    for ax, (name, per) in zip(axes[0], sorted(data.items())):
+    for ax, ((name, rows), per) in zip(axes[0], sorted(data.items())):
         workers = sorted(per)
         plain_one = per[1][0]
         ax.plot(workers, [plain_one / per[w][1] for w in workers], "-o", markersize=3.5,
@@ -144,36 +128,42 @@ def draw_cores(data, path):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xticks(workers, [str(w) for w in workers])
-        ticks = [1, 2, 4, 8, 16, 32]
+        ticks = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if t <= 2 * max(workers)]
         ax.set_yticks(ticks, [str(t) for t in ticks])
-        ax.set_title(f"{names.get(name, name)}, float32", fontsize=9)
+        label = names.get(name, name + ", {:,} rows").format(rows)
+        ax.set_title(f"{label}, {dtype}", fontsize=9)
         ax.set_xlabel("w = workers = cores")
         ax.grid(True, which="major", linewidth=0.3)
     axes[0][0].set_ylabel("speedup over plain NumPyro on 1 core")
     axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.suptitle("16 cores, Intel Xeon (KVM), 2026-11-26", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default=RESULTS, help="folder of the results files")
-    parser.add_argument("--out", default=STATIC, help="folder for the PNGs")
-    args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    rows = hmm_rows([os.path.join(args.results, f) for f in HMM_FILES])
-    cores = scaling(os.path.join(args.results, SCALING_FILE))
-    if not rows or not cores:
-        raise SystemExit(f"no data read from {args.results}: rows {bool(rows)}, cores {bool(cores)}")
-    written = [os.path.join(args.out, "speedup_rows_hmm.png"),
-               os.path.join(args.out, "speedup_cores_16.png")]
-    draw_rows(rows, written[0])
-    draw_cores(cores, written[1])
-    print("\n".join(written))
+def plot(records, out, likelihood=None) -> list:
+    """Draw every figure ``records`` hold data for into the folder ``out``; returns the
+    paths written."""
+    import os
+
+    os.makedirs(out, exist_ok=True)
+    written = []
+    name, rows, used = rows_data(records, likelihood)
+    if rows:
+        r = used[0]
+        title = f"{r['machine']}, {_when(used)}"
+        what = {"hmm": "HMM, 4 states, 100 steps"}.get(name, name)
+        xlabel = "sequences (rows)" if name == "hmm" else "rows"
+        written.append(os.path.join(out, f"speedup_rows_{name}.png"))
+        draw_rows(rows, written[-1], title, what, xlabel)
+    cores, used = cores_data(records)
+    if cores:
+        most = max(int(r["settings"]["workers"]) for r in used)
+        title = f"{used[0]['machine']}, {_when(used)}"
+        written.append(os.path.join(out, f"speedup_cores_{most}.png"))
+        draw_cores(cores, written[-1], title, used[0]["dtype"])
+    if not written:
+        raise SystemExit("plot: no gradients records at several row counts and no scaling "
+                         "records with one worker among the records given")
     return written
-
-
-if __name__ == "__main__":
-    main()
