@@ -1,20 +1,19 @@
-"""Two small directives for the Performance page.
+"""A small directive for the Performance page.
 
 ``.. markdown-tables:: performance.md`` renders every pipe table of a Markdown
 file (kept in Markdown because benchmark runs rewrite it) as a reST table, titled
 by the Markdown heading above it. ``:match: regex`` keeps the tables whose heading
 matches. Cell text keeps its inline code and bold; nothing else is converted.
 
-``.. speedup-plots::`` shows every figure that ``benchmarks/plot_speedup.py`` drew
-into ``docs/_generated/`` (``speedup_*.svg``), with the caption from the ``.txt``
-file written beside it.
+The plots are plain figures of PNGs in ``_static/`` that ``python -m benchmarks plot``
+draws from the benchmark records.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import re
+from typing import ClassVar
 
 from docutils import nodes
 from docutils.parsers.rst import directives
@@ -53,7 +52,7 @@ def _cell(text: str) -> str:
 
 class MarkdownTables(SphinxDirective):
     required_arguments = 1
-    option_spec = {"match": directives.unchanged}
+    option_spec: ClassVar[dict] = {"match": directives.unchanged}
 
     def run(self):
         path = os.path.join(self.env.srcdir, self.arguments[0])
@@ -79,25 +78,6 @@ class MarkdownTables(SphinxDirective):
         return [container]
 
 
-class SpeedupPlots(SphinxDirective):
-    def run(self):
-        folder = os.path.join(self.env.srcdir, "_generated")
-        figures = sorted(glob.glob(os.path.join(folder, "speedup_*.svg")))
-        if not figures:
-            raise self.error("no plots in docs/_generated; run benchmarks/plot_speedup.py")
-        lines = []
-        for svg in figures:
-            caption_file = svg[: -len(".svg")] + ".txt"
-            with open(caption_file, encoding="utf-8") as fh:
-                caption = fh.read().strip()
-            lines += [f".. figure:: /_generated/{os.path.basename(svg)}", "   :width: 95%", "",
-                      f"   {caption}", ""]
-        container = nodes.container(classes=["speedup-plots"])
-        self.state.nested_parse(StringList(lines, source=folder), self.content_offset, container)
-        return [container]
-
-
 def setup(app):
     app.add_directive("markdown-tables", MarkdownTables)
-    app.add_directive("speedup-plots", SpeedupPlots)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
