@@ -74,8 +74,8 @@ def test_report_has_a_row_per_executor_and_a_recommendation():
             assert row.chunk_rows and all(0 < c <= 20_000 for c in row.chunk_rows)
     # The default plan, evened out as for every batched (elementwise) likelihood.
     plan = balance_blocks(pb.plan_blocks(20_000, row_bytes=4))
-    assert report.sites == [dict(name="y", rows=20_000, block_rows=plan.block_rows,
-                                 grainsize=None)]
+    assert report.sites == [{"name": "y", "rows": 20_000, "block_rows": plan.block_rows,
+                             "grainsize": None}]
     if report.best is None:
         assert report.recommendation.startswith("stay with plain NumPyro")
     else:
@@ -118,7 +118,7 @@ def _samples(rows):
 ])
 def test_recommendation_from_injected_timings(blocks, executor_ms, recommended):
     rows = [_plain_row(0.01), _row("ThreadExecutor(2)", executor_ms / 1e3, 0.01)]
-    sites = [dict(name=f"y{i}", rows=100 * b, block_rows=100, grainsize=None)
+    sites = [{"name": f"y{i}", "rows": 100 * b, "block_rows": 100, "grainsize": None}
              for i, b in enumerate(blocks)]
     text, best = profile_module._recommend(rows, sites, _samples(rows))
     assert (best is rows[1]) == recommended, text
@@ -132,7 +132,7 @@ def test_recommendation_from_injected_timings(blocks, executor_ms, recommended):
 
 def test_recommendation_needs_the_margin_in_the_fastest_round_too():
     rows = [_plain_row(0.01), _row("ThreadExecutor(2)", 0.005, 0.01)]
-    sites = [dict(name="y", rows=1000, block_rows=100, grainsize=None)]
+    sites = [{"name": "y", "rows": 1000, "block_rows": 100, "grainsize": None}]
     samples = {"plain NumPyro": [0.01, 0.004], "ThreadExecutor(2)": [0.005, 0.0045]}
     text, best = profile_module._recommend(rows, sites, samples)
     assert best is None and text.startswith("stay with plain NumPyro"), text
@@ -247,7 +247,7 @@ def cli():
 
     def run(*args):
         return subprocess.run([exe, "profile", *args], capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, check=False)
 
     return run
 
@@ -289,7 +289,7 @@ def test_cli_profiles_the_demo_model_and_reports_a_bad_script(cli, tmp_path):
 
 def test_device_map_is_profiled_when_several_devices_exist(tmp_path):
     try:
-        pb.DeviceExecutor
+        _ = pb.DeviceExecutor
     except (ImportError, AttributeError):
         pytest.skip("the device plugin (pb.DeviceExecutor) is not installed")
     script = tmp_path / "device_profile.py"
@@ -318,5 +318,5 @@ def test_device_map_is_profiled_when_several_devices_exist(tmp_path):
     """))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300, env=env)
+                         timeout=300, env=env, check=False)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
