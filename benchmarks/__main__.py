@@ -111,15 +111,19 @@ def _force_cpu_devices(n) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.command == "report":
-        from .report import render
+    if args.command in ("report", "plot"):
+        try:
+            recs = records.load(args.files)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{args.command}: {e}") from None
+        if args.command == "report":
+            from .report import render
 
-        print(render(records.load(args.files)), end="")
-        return 0
-    if args.command == "plot":
-        from .plots import plot
+            print(render(recs), end="")
+        else:
+            from .plots import plot
 
-        print("\n".join(plot(records.load(args.files), args.out, args.likelihood)))
+            print("\n".join(plot(recs, args.out, args.likelihood)))
         return 0
     _force_cpu_devices(getattr(args, "cpu_devices", None))
 
