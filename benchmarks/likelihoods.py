@@ -148,6 +148,110 @@ def gp_groups(n_rows: int, dtype, m: int = 12, seed: int = 0):
         jnp.asarray(np.log(0.3), dtype))
 
 
+def mixture(n_rows: int, dtype, n_components: int = 3, seed: int = 0):
+    """A Gaussian mixture per row: a small reduction (``logsumexp`` over a few
+    components) inside each row."""
+    rng = np.random.default_rng(seed)
+    means = np.linspace(-3, 3, n_components)
+    z = rng.integers(0, n_components, size=n_rows)
+    y = (means[z] + rng.normal(size=n_rows)).astype(dtype)
+
+    def fn(y, logits, mu, log_sigma):
+        log_w = jax.nn.log_softmax(logits)
+        z = (y[:, None] - mu) / jnp.exp(log_sigma)
+        comp = -0.5 * z * z - log_sigma - 0.5 * np.log(2 * np.pi).astype(dtype)
+        return logsumexp(log_w + comp, axis=-1)
+
+    return fn, y, (jnp.zeros(n_components, dtype), jnp.asarray(means.astype(dtype)),
+                   jnp.zeros(n_components, dtype))
+
+
+def zip_poisson(n_rows: int, dtype, n_features: int = 4, seed: int = 0):
+    """Zero-inflated Poisson regression: a two-way ``logaddexp`` for the zeros."""
+    rng = np.random.default_rng(seed)
+    X = (rng.normal(size=(n_rows, n_features)) / np.sqrt(n_features)).astype(dtype)
+    beta = np.linspace(-0.5, 0.5, n_features).astype(dtype)
+    lam = np.exp(0.5 + X @ beta)
+    y = np.where(rng.uniform(size=n_rows) < 0.3, 0, rng.poisson(lam)).astype(dtype)
+
+    def fn(data, alpha, beta, logit_psi):
+        y = data["y"]
+        log_lam = alpha + data["X"] @ beta
+        lam = jnp.exp(log_lam)
+        log_psi, log_1m = jax.nn.log_sigmoid(logit_psi), jax.nn.log_sigmoid(-logit_psi)
+        pois = y * log_lam - lam - gammaln(y + 1)
+        return jnp.where(y == 0, jnp.logaddexp(log_psi, log_1m - lam), log_1m + pois)
+
+    return fn, {"X": X, "y": y}, (jnp.asarray(0.5, dtype), jnp.asarray(beta),
+                                  jnp.asarray(-1.0, dtype))
+
+
+def ordinal(n_rows: int, dtype, n_features: int = 4, n_classes: int = 5, seed: int = 0):
+    """Ordered logistic regression: cut points, a gather of each row's two of them."""
+    rng = np.random.default_rng(seed)
+    X = (rng.normal(size=(n_rows, n_features)) / np.sqrt(n_features)).astype(dtype)
+    beta = np.linspace(-1, 1, n_features).astype(dtype)
+    cuts = np.linspace(-2, 2, n_classes - 1).astype(dtype)
+    eta = X @ beta + rng.logistic(size=n_rows)
+    y = np.searchsorted(cuts, eta).astype(np.int32)
+
+    def fn(data, beta, cuts):
+        eta = data["X"] @ beta
+        c = jnp.concatenate([jnp.full(1, -jnp.inf, cuts.dtype), jnp.sort(cuts),
+                             jnp.full(1, jnp.inf, cuts.dtype)])
+        y = data["y"]
+        hi, lo = c[y + 1] - eta, c[y] - eta
+        # log(sigmoid(hi) - sigmoid(lo)), stable where both tails are far
+        return jax.nn.log_sigmoid(hi) + jnp.log1p(-jnp.exp(lo - hi)) + jax.nn.log_sigmoid(-lo)
+
+    return fn, {"X": X, "y": y}, (jnp.asarray(beta), jnp.asarray(cuts))
+
+
+def grouped(n_rows: int, dtype, n_groups: int = 1_000, n_features: int = 4, seed: int = 0):
+    """A grouped (random-intercept) regression: a gather of each row's group effect from
+    a parameter vector of ``n_groups``."""
+    rng = np.random.default_rng(seed)
+    g = rng.integers(0, n_groups, size=n_rows).astype(np.int32)
+    X = rng.normal(size=(n_rows, n_features)).astype(dtype)
+    a = rng.normal(size=n_groups).astype(dtype)
+    beta = np.linspace(-1, 1, n_features).astype(dtype)
+    y = (a[g] + X @ beta + 0.5 * rng.normal(size=n_rows)).astype(dtype)
+
+    def fn(data, a, beta, log_sigma):
+        z = (data["y"] - a[data["g"]] - data["X"] @ beta) / jnp.exp(log_sigma)
+        return -0.5 * z * z - log_sigma - 0.5 * np.log(2 * np.pi).astype(dtype)
+
+    return fn, {"X": X, "g": g, "y": y}, (jnp.asarray(a), jnp.asarray(beta),
+                                          jnp.asarray(np.log(0.5), dtype))
+
+
+def local_level(n_rows: int, dtype, n_steps: int = 20, seed: int = 0):
+    """A state-space filter: a local-level model per row (a Kalman filter, a ``scan``
+    over ``n_steps`` time points)."""
+    rng = np.random.default_rng(seed)
+    level = np.cumsum(0.3 * rng.normal(size=(n_rows, n_steps)), axis=1)
+    y = (level + 0.5 * rng.normal(size=level.shape)).astype(dtype)
+
+    def fn(y, log_q, log_r):
+        q, r = jnp.exp(2 * log_q), jnp.exp(2 * log_r)
+
+        def step(carry, yt):
+            m, p, ll = carry
+            p = p + q
+            s = p + r
+            e = yt - m
+            ll = ll - 0.5 * (jnp.log(2 * np.pi).astype(dtype) + jnp.log(s) + e * e / s)
+            k = p / s
+            return (m + k * e, (1 - k) * p, ll), None
+
+        n = y.shape[0]
+        init = (jnp.zeros(n, dtype), jnp.full(n, 10.0, dtype), jnp.zeros(n, dtype))
+        (_, _, ll), _ = jax.lax.scan(step, init, y.T)
+        return ll
+
+    return fn, y, (jnp.asarray(np.log(0.3), dtype), jnp.asarray(np.log(0.5), dtype))
+
+
 def parameter_sets(params, sets: int):
     """``sets`` distinct copies of ``params`` stacked on a leading axis (the ``k``-th
     scaled by ``1 + 0.01 k``), as vectorized chains hold them: no set's evaluation is
@@ -158,7 +262,8 @@ def parameter_sets(params, sets: int):
 
 #: name -> (maker, rows). For the HMM and the GP a row is a sequence or a group.
 MAKERS = {"logistic": logistic, "negbin": negbin, "hmm": hmm, "newton": newton,
-          "gp": gp_groups}
+          "gp": gp_groups, "mixture": mixture, "zip": zip_poisson, "ordinal": ordinal,
+          "grouped": grouped, "local_level": local_level}
 SIZES = {"1k": 1_000, "10k": 10_000, "50k": 50_000, "200k": 200_000, "1M": 1_000_000}
 LIKELIHOODS = {f"{name}_{tag}": (make, n) for name, make in MAKERS.items()
                for tag, n in SIZES.items()}
