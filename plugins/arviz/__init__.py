@@ -1,10 +1,10 @@
-"""ArviZ integration: ``pb.sample`` (NUTS, checkpoints, a run no later error can lose),
-``pb.to_arviz`` (a run with pointwise log-likelihoods of ``pb.factor`` sites), and
-``save``/``load`` of a run as netCDF, under ArviZ 1.x (``xarray.DataTree``) and ArviZ
-0.2x (``arviz.InferenceData``) alike.
+"""ArviZ integration, for a run's output: ``pb.to_arviz`` (a finished NumPyro run with the
+pointwise log-likelihood of its ``pb.factor``/``pb.observe`` sites) and ``save``/``load``
+of a run as netCDF, under ArviZ 1.x (``xarray.DataTree``) and ArviZ 0.2x
+(``arviz.InferenceData``) alike.
 
-Imports arviz, xarray, numpyro, the core's public names and the NumPyro plugin's public
-names (never the other way round).
+Imports arviz, xarray, numpyro, the core's public names and the NumPyro plugin's modules
+(never the other way round). ``pb.sample`` lives in ``parallel_backend.plugins.sample``.
 """
 
 try:
@@ -13,14 +13,20 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('parallel_backend.plugins.arviz needs ArviZ: '
                       'pip install "parallel-backend[arviz]"') from e
 
-from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, CheckpointError, LogLikPlan,
-                                              pointwise_log_likelihood)
-
-from .container import ARVIZ_MAJOR, DATATREE
+from ..numpyro.replay import HMC_EXTRA_FIELDS
+from .container import DATATREE
 from .convert import to_arviz
 from .io import load, save
-from .sample import ConversionError, sample
 
-__all__ = ["sample", "to_arviz", "save", "load", "ConversionError", "CheckpointError",
-           "HMC_EXTRA_FIELDS", "pointwise_log_likelihood", "LogLikPlan", "ARVIZ_MAJOR",
-           "DATATREE"]
+__all__ = ["DATATREE", "HMC_EXTRA_FIELDS", "load", "save", "to_arviz"]
+
+
+def __getattr__(name: str):
+    # pb.sample's names, found here too: the facade (parallel_backend/__init__.py) maps
+    # pb.sample to this plugin, and earlier code imports them from here. Lazy, so that
+    # this plugin never needs the one built on it.
+    if name in ("sample", "ConversionError", "CheckpointError"):
+        from ..sample import fingerprint, run
+
+        return getattr(fingerprint if name == "CheckpointError" else run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

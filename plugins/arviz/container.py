@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import xarray as xr
 
-__all__ = ["ARVIZ_MAJOR", "DATATREE", "from_numpyro", "dataset", "build", "parts",
-           "group_names", "ORDER"]
+__all__ = ["ARVIZ_MAJOR", "DATATREE", "ORDER", "build", "dataset", "from_numpyro", "group_names",
+           "parts"]
 
 ARVIZ_MAJOR = int(az.__version__.split(".")[0])
 #: Whether runs are ``xarray.DataTree`` (ArviZ 1.x) rather than ``arviz.InferenceData``.

@@ -6,7 +6,7 @@ ArviZ's own ``from_numpyro`` makes ``posterior``, ``sample_stats`` and
 every observed site (recomputed on the executor by the NumPyro plugin's
 ``pointwise_log_likelihood``), the sites' row data as ``constant_data``, and the run's
 ``attrs``, and builds the installed major's container. Imports jax, numpy, xarray, the
-core's and the NumPyro plugin's public names, and :mod:`.container`.
+core's public names, the NumPyro plugin's modules, and :mod:`.container`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from numpyro.infer import Predictive
 import parallel_backend as pb
 from parallel_backend.extend import is_tracer, resolve_executor
 
-from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, factor_sites,
-                                              pointwise_log_likelihood, quietly, run_record,
-                                              trace_model, unobserved)
-
+from ..numpyro.loglik import pointwise_log_likelihood
+from ..numpyro.observe import unobserved
+from ..numpyro.record import run_record
+from ..numpyro.replay import HMC_EXTRA_FIELDS, factor_sites, quietly, trace_model
 from . import container
 
-__all__ = ["to_arviz", "HMC_EXTRA_FIELDS"]
+__all__ = ["HMC_EXTRA_FIELDS", "to_arviz"]
 
 
 def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=None,
@@ -220,8 +220,9 @@ def _add_constant_rows(groups: dict, sites: dict, coords, dims) -> None:
     ``<site>_<key path>``, rows on the site's row dimension."""
     values, var_dims = {}, {}
     for name, info in sites.items():
-        row_dim = list(dims.get(name, [f"{name}_dim_0"]))[0]
-        data = info["data"][0] if info.get("kind") == "observe" else info["data"]  # obs: observed_data
+        row_dim = next(iter(dims.get(name, [f"{name}_dim_0"])))
+        # an observed site's obs goes to observed_data
+        data = info["data"][0] if info.get("kind") == "observe" else info["data"]
         for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
             if is_tracer(leaf):
                 continue

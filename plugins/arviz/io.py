@@ -26,7 +26,7 @@ import xarray as xr
 
 from . import container
 
-__all__ = ["save", "load", "read_groups", "write_groups", "ENGINE"]
+__all__ = ["ENGINE", "load", "read_groups", "save", "write_groups"]
 
 #: Attribute naming the list-valued attributes of a group (removed again by load).
 LIST_ATTRS = "parallel_backend_list_attrs"
@@ -187,7 +187,8 @@ def _encode(attrs: dict, group) -> dict:
                             "which netCDF cannot store; store it as an int or a str")
         elif v is None or isinstance(v, dict):
             raise TypeError(f"save: attribute {k!r} of {group or 'the run'} is "
-                            f"{type(v).__name__}, which netCDF cannot store; drop it or make it a str")
+                            f"{type(v).__name__}, which netCDF cannot store; drop it or make it "
+                            "a str")
         out[k] = v
     if lists:
         out[LIST_ATTRS] = ",".join(lists)

@@ -5,7 +5,8 @@ from __future__ import annotations
 try:
     import numpyro
 except ImportError as e:  # pragma: no cover - numpyro is a core dependency
-    raise ImportError('parallel_backend.factor needs NumPyro: pip install "parallel-backend"') from e
+    raise ImportError('parallel_backend.factor needs NumPyro: '
+                      'pip install "parallel-backend"') from e
 
 import jax
 

@@ -10,8 +10,8 @@ but the standard library.
 
 from __future__ import annotations
 
-__all__ = ["mcmc_arguments", "kernel_settings", "kernel_function", "max_tree_depth",
-           "BUILT_AT_INIT"]
+__all__ = ["BUILT_AT_INIT", "kernel_function", "kernel_settings", "max_tree_depth",
+           "mcmc_arguments"]
 
 #: Attributes of NumPyro's HMC that ``init`` builds from the model: not settings.
 BUILT_AT_INIT = frozenset({"_model", "_potential_fn", "_init_fn", "_sample_fn",
@@ -22,7 +22,7 @@ BUILT_AT_INIT = frozenset({"_model", "_potential_fn", "_init_fn", "_sample_fn",
 def mcmc_arguments(mcmc) -> tuple[tuple, dict]:
     """The model arguments of the last ``MCMC.run``: kept only as ``MCMC._args`` and
     ``MCMC._kwargs`` (ArviZ's ``from_numpyro`` reads them the same way)."""
-    return tuple(mcmc._args), dict(mcmc._kwargs)  # noqa: SLF001
+    return tuple(mcmc._args), dict(mcmc._kwargs)
 
 
 def kernel_settings(kernel) -> dict:

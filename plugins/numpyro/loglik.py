@@ -22,7 +22,7 @@ import parallel_backend as pb
 
 from .replay import factor_sites, quietly, trace_model
 
-__all__ = ["log_likelihood", "pointwise_log_likelihood", "LogLikPlan", "default_chunks"]
+__all__ = ["LogLikPlan", "default_chunks", "log_likelihood", "pointwise_log_likelihood"]
 
 #: Draws x rows evaluated per task, by default (float32: 1 MiB of output per task).
 TASK_VALUES = 2 ** 18
@@ -194,14 +194,14 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
             d1 = min(d0 + cd_all, n_draws)
             # Pad the last draw chunk to full size: one compiled shape, the same bits.
             idx = np.minimum(np.arange(d0, d0 + cd_all), n_draws - 1)
-            dep_vals = replay.draw_leaves(jax.tree.map(lambda x: x[idx], samples))
+            dep_vals = replay.draw_leaves(jax.tree.map(lambda x, i=idx: x[i], samples))
             for name, v in replay.observed_values(dep_vals, cd_all).items():
                 values[name][d0:d1] = np.asarray(v)[: d1 - d0]
             for name in names:
                 cr = chunks[name][1]
                 starts = list(range(0, replay.sizes[name], cr))
-                parts = executors[name].map(_Task(evaluators[name], replay.site_leaves(name, dep_vals)),
-                                            starts)
+                task = _Task(evaluators[name], replay.site_leaves(name, dep_vals))
+                parts = executors[name].map(task, starts)
                 tasks[name] += len(starts)
                 if name not in values:
                     values[name] = np.empty((n_draws, replay.sizes[name]), parts[0].dtype)

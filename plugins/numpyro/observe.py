@@ -24,7 +24,7 @@ import parallel_backend as pb
 
 from .replay import INFER_KEY, honour_plates, plates_fit
 
-__all__ = ["observe", "ObservedRows", "RowLogProb", "unobserved"]
+__all__ = ["ObservedRows", "RowLogProb", "observe", "unobserved"]
 
 
 class RowLogProb:
@@ -105,9 +105,9 @@ class ObservedRows(Distribution):
         """The ``reduce_sum`` inputs of the site (as :func:`.replay.site_inputs` gives)."""
         rows = (self.data, self.obs) if self.row_mask is None else (
             self.data, self.obs, self.row_mask)
-        return dict(fn=RowLogProb(self.dist_fn, self.row_mask is not None), data=rows,
-                    shared=self.shared, executor=self.executor, grainsize=self.grainsize,
-                    block_rows=self.block_rows, kind="observe")
+        return {"fn": RowLogProb(self.dist_fn, self.row_mask is not None), "data": rows,
+                "shared": self.shared, "executor": self.executor, "grainsize": self.grainsize,
+                "block_rows": self.block_rows, "kind": "observe"}
 
     def expand(self, batch_shape):
         batch_shape = tuple(batch_shape)

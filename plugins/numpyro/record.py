@@ -1,8 +1,8 @@
 """A finished NumPyro run as plain data: what a conversion to ArviZ needs from it.
 
 :func:`run_record` reads a ``numpyro.infer.MCMC`` (after ``run``) or the run
-``pb.sample`` makes (:class:`~.driver.Run`) into a :class:`RunRecord`, so that the
-ArviZ plugin never reads a NumPyro object itself. Imports jax, numpy and numpyro.
+``pb.sample`` makes (:class:`Run`) into a :class:`RunRecord`, so that the ArviZ plugin
+never reads a NumPyro object itself. Imports jax, numpy and :mod:`.internals`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .driver import Run
-from .internals import mcmc_arguments, max_tree_depth
+from .internals import max_tree_depth, mcmc_arguments
 
-__all__ = ["RunRecord", "run_record"]
+__all__ = ["Run", "RunRecord", "run_record"]
 
 
 class RunRecord(NamedTuple):
@@ -46,6 +45,46 @@ class RunRecord(NamedTuple):
     num_chains: int
     num_draws: int
     max_tree_depth: Any
+
+
+class Run:
+    """A finished run made without ``MCMC`` (``pb.sample``'s), with ``MCMC``'s accessors
+    for its draws.
+
+    Parameters
+    ----------
+    kernel : MCMCKernel
+    fields : tuple of str
+        The collected fields, sample field first.
+    buffers : tuple
+        One array tree per field, each leaf ``(chains, draws, ...)``.
+    last_state : pytree
+        Every chain's final state, stacked on a leading chain axis.
+    model_args, model_kwargs : tuple, dict
+    """
+
+    thinning = 1
+
+    def __init__(self, kernel, fields, buffers, last_state, model_args, model_kwargs):
+        self.sampler = kernel
+        self.fields = tuple(fields)
+        self.values = dict(zip(self.fields, buffers))
+        self.last_state = last_state
+        self.model_args, self.model_kwargs = tuple(model_args), dict(model_kwargs)
+        first = jax.tree.leaves(buffers[0])[0]
+        self.num_chains, self.num_samples = int(first.shape[0]), int(first.shape[1])
+
+    def _get(self, value, group_by_chain):
+        if group_by_chain:
+            return value
+        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), value)
+
+    def get_samples(self, group_by_chain: bool = False):
+        return self._get(self.values[self.fields[0]], group_by_chain)
+
+    def get_extra_fields(self, group_by_chain: bool = False) -> dict:
+        return {k: self._get(v, group_by_chain) for k, v in self.values.items()
+                if k != self.fields[0]}
 
 
 def run_record(run, model=None, model_args=None, model_kwargs=None) -> RunRecord:

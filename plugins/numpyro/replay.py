@@ -27,8 +27,8 @@ from numpyro.primitives import Messenger
 
 import parallel_backend as pb
 
-__all__ = ["quietly", "trace_model", "factor_sites", "site_inputs", "FactorUnit",
-           "honour_plates", "plates_fit", "HMC_EXTRA_FIELDS", "INFER_KEY"]
+__all__ = ["HMC_EXTRA_FIELDS", "INFER_KEY", "FactorUnit", "factor_sites", "honour_plates",
+           "plates_fit", "quietly", "site_inputs", "trace_model"]
 
 #: Key of a factor site's ``infer`` dict that marks it as a ``pb.factor`` site (a flag).
 INFER_KEY = "parallel_backend"
@@ -194,8 +194,9 @@ class FactorUnit(Unit):
     def inputs(self) -> dict:
         """``fn``, ``data``, ``shared``, ``executor``, ``grainsize``, ``block_rows`` and
         ``kind`` (``"factor"``)."""
-        return dict(fn=self.fn, data=self.data, shared=self.shared, executor=self.executor,
-                    grainsize=self.grainsize, block_rows=self.block_rows, kind="factor")
+        return {"fn": self.fn, "data": self.data, "shared": self.shared,
+                "executor": self.executor, "grainsize": self.grainsize,
+                "block_rows": self.block_rows, "kind": "factor"}
 
 
 class MaskedRows:

@@ -4,9 +4,10 @@ segments, and snapshotted for checkpoints.
 Between segments, every chain's sampler state and draws are kept on the host, stacked
 on a leading chain axis (``(chains, ...)`` and ``(chains, draws, ...)``), with the
 transitions each chain has made (``done``). A lane takes its chains' part to the device,
-runs its segments through :class:`~.driver.Segments`, and puts it back. A fresh run
+runs its segments through :class:`~.loop.Segments`, and puts it back. A fresh run
 starts from ``kernel.init``'s states; a resumed one from a checkpoint's arrays, which
-are the same bits. Imports jax, numpy and :mod:`.driver`.
+are the same bits. Imports jax, numpy, :mod:`.loop`, :mod:`.tuning` and the NumPyro
+plugin's :mod:`~parallel_backend.plugins.numpyro.record`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .driver import Run, Segments, init_states, to_device, to_host
+from ..numpyro.record import Run
+from .loop import Segments, init_states, to_device, to_host
 from .tuning import Tuner, timed_run
 
 __all__ = ["Chains"]

@@ -1,17 +1,23 @@
 """``pb.sample``'s checkpoint files: reading, writing, finishing, and what a run's parts add.
 
-A checkpoint is a netCDF file (written by :func:`.io.write_groups`, so atomically, in
-the one format both ArviZ majors read) with the draws so far in ``posterior`` and
+A checkpoint is a netCDF file (written by the ArviZ plugin's
+:func:`~parallel_backend.plugins.arviz.io.write_groups`, so atomically, in the one
+format both ArviZ majors read) with the draws so far in ``posterior`` and
 ``sample_stats`` (full size, ``attrs["draws_done"]`` per chain made), every chain's
 sampler state in a ``sampler_state`` group (``state``: the bytes of the leaves of
-NumPyro's state, one row per chain, see :func:`~parallel_backend.plugins.numpyro.pack`;
-``done``, the transitions each chain has made), and in ``attrs`` the run's fingerprint
-(:func:`~parallel_backend.plugins.numpyro.fingerprint`). When the run has finished the
-file is replaced by the whole run (``attrs["checkpoint_status"] == "finished"``).
+NumPyro's state, one row per chain, see :func:`pack`; ``done``, the transitions each
+chain has made), and in ``attrs`` the run's fingerprint (:mod:`.fingerprint`). When the
+run has finished the file is replaced by the whole run
+(``attrs["checkpoint_status"] == "finished"``).
 
-Owns :data:`FORMAT`, :func:`read`, :func:`write`, :func:`finish`, :func:`writer` and
-:class:`History`. Imports jax, numpy, xarray, numpyro, the NumPyro plugin's public
-names and :mod:`.io`.
+The state is kept as raw bytes, one variable instead of one per leaf: exact by
+construction, and a netCDF variable costs milliseconds to write, which a checkpoint pays
+every ``checkpoint_every`` iterations. :func:`pack`/:func:`unpack` convert.
+
+Owns :data:`FORMAT`, :class:`Saved`, :func:`read`, :func:`write`, :func:`finish`,
+:func:`writer`, :func:`pack`, :func:`unpack`, :func:`draw_names` and :class:`History`.
+Imports jax, numpy, xarray, numpyro, the core's public names, the ArviZ plugin's
+:mod:`~parallel_backend.plugins.arviz.io` and :mod:`.fingerprint`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -26,14 +33,47 @@ import numpyro
 import xarray as xr
 
 import parallel_backend as pb
-from parallel_backend.plugins.numpyro import CheckpointError, Saved, draw_names, pack
 
-from .io import read_groups, save, write_groups
+from ..arviz.io import read_groups, save, write_groups
+from .fingerprint import CheckpointError
 
-__all__ = ["FORMAT", "read", "write", "finish", "writer", "History", "warn_versions"]
+__all__ = ["FORMAT", "STAT_NAMES", "History", "Saved", "draw_names", "finish", "pack", "read",
+           "unpack", "warn_versions", "write", "writer"]
 
 #: The layout of the files this version writes and reads.
 FORMAT = 1
+
+#: ArviZ's names of NumPyro's state fields in ``sample_stats`` (``lp`` is minus the
+#: potential energy).
+STAT_NAMES = {"potential_energy": "lp", "adapt_state.step_size": "step_size",
+              "num_steps": "n_steps", "accept_prob": "acceptance_rate"}
+
+
+class Saved(NamedTuple):
+    """What a checkpoint file holds.
+
+    Attributes
+    ----------
+    attrs : dict
+        The file's attributes (settings, fingerprint, resume history, seconds).
+    fingerprint : dict
+        ``{item: description}`` of the run that wrote it.
+    finished : bool
+        The file holds the whole run (ArviZ data; nothing else is read).
+    done : numpy.ndarray or None
+        Transitions made per chain.
+    state : numpy.ndarray or None
+        The sampler state's leaves as bytes, ``(chains, bytes)`` (see :func:`unpack`).
+    draws : dict or None
+        ``{(group, name): (chains, draws, ...) array}``, named as by :func:`draw_names`.
+    """
+
+    attrs: dict
+    fingerprint: dict
+    finished: bool
+    done: np.ndarray | None = None
+    state: list | None = None
+    draws: dict | None = None
 
 
 def read(path) -> Saved | None:
@@ -48,7 +88,7 @@ def read(path) -> Saved | None:
         return None
     try:
         attrs, groups = read_groups(path)
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
+    except Exception as e:
         raise CheckpointError(
             f"sample: the checkpoint {path!r} exists but cannot be read as netCDF "
             f"({type(e).__name__}: {e}). Pass another checkpoint path, or delete the file to "
@@ -182,3 +222,48 @@ class History:
             if self.sequential:
                 out["resumed_chain"] = list(self.resumed_chain)
         return out
+
+
+# -- the sampler state as bytes, the draws by name ---------------------------------------
+
+
+def pack(leaves) -> np.ndarray:
+    """The sampler state's leaves (each ``(chains, ...)``) as one ``(chains, bytes)``
+    ``uint8`` array: each chain's leaves' bytes, one after another in tree order."""
+    rows = [b"".join(np.ascontiguousarray(x[c]).tobytes() for x in leaves)
+            for c in range(leaves[0].shape[0])]
+    return np.stack([np.frombuffer(r, np.uint8) for r in rows])
+
+
+def unpack(packed, like) -> list:
+    """The leaves :func:`pack` packed, given one chain's leaves (or their shapes and
+    dtypes) ``like``, in tree order."""
+    out, start = [], 0
+    for t in like:
+        size = np.dtype(t.dtype).itemsize * int(np.prod(t.shape))
+        out.append(np.stack([np.frombuffer(row[start:start + size].tobytes(), t.dtype)
+                             .reshape(t.shape) for row in packed]))
+        start += size
+    if start != packed.shape[1]:
+        raise CheckpointError(f"sample: a checkpoint's sampler state has {packed.shape[1]} bytes "
+                              f"per chain where this run's has {start}")
+    return out
+
+
+def draw_names(fields, buffers) -> list:
+    """``(group, name)`` of each leaf of the collected ``buffers`` (one tree per field),
+    in tree order: the sample field's sites go to ``posterior`` (named by site, or
+    ``Param:i`` as ``arviz.from_numpyro`` names them), the others to ``sample_stats``
+    under ArviZ's names."""
+    names = []
+    for k, (field, tree) in enumerate(zip(fields, buffers)):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        for i, (path, _) in enumerate(flat):
+            if k == 0:
+                keys = [str(getattr(p, "key", "")) for p in path]
+                names.append(("posterior", ".".join(keys) if all(keys) and keys
+                              else f"Param:{i}"))
+            else:
+                base = STAT_NAMES.get(field, field)
+                names.append(("sample_stats", base if len(flat) == 1 else f"{base}.{i}"))
+    return names

@@ -1,20 +1,14 @@
-"""What identifies a ``pb.sample`` run, and its sampler state as bytes.
+"""What identifies a ``pb.sample`` run, for its checkpoints.
 
-A checkpoint (written and read by :mod:`parallel_backend.plugins.arviz.checkpoint`)
-holds the draws so far, every chain's sampler state and, in its attributes, the run's
-*fingerprint*: the settings, the model's name, the structure and a digest of its
-arguments, and the structure of the sampler state and of the draws. A second call of
-``pb.sample`` continues a file only if its fingerprint is this run's; otherwise
-:class:`CheckpointError` lists what differs.
+A checkpoint (:mod:`.checkpoint`) holds, in its attributes, the run's *fingerprint*:
+the settings, the model's name, the structure and a digest of its arguments, and the
+structure of the sampler state and of the draws (which give the state's bytes their
+meaning). A second call of ``pb.sample`` continues a file only if its fingerprint is
+this run's; otherwise :class:`CheckpointError` lists what differs.
 
-The state is kept as raw bytes, one variable instead of one per leaf: exact by
-construction, and a netCDF variable costs milliseconds to write, which a checkpoint pays
-every ``checkpoint_every`` iterations. :func:`pack`/:func:`unpack` convert; the
-structure that gives the bytes their meaning is in the fingerprint.
-
-Owns :class:`CheckpointError`, :class:`Saved`, :func:`fingerprint`, :func:`signature`,
-:func:`draw_names`, :func:`pack`, :func:`unpack` and :func:`check`. Imports numpy, jax
-and the core's public names; no file is read or written here.
+Owns :class:`CheckpointError`, :func:`fingerprint`, :func:`signature` and
+:func:`check`. Imports numpy, jax, the core's public names and the NumPyro plugin's
+:mod:`~parallel_backend.plugins.numpyro.internals`; no file is read or written here.
 """
 
 from __future__ import annotations
@@ -22,54 +16,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
 import parallel_backend as pb
 
-from .driver import is_key
-from .internals import kernel_function, kernel_settings
+from ..numpyro.internals import kernel_function, kernel_settings
+from .loop import is_key
 
-__all__ = ["CheckpointError", "Saved", "fingerprint", "signature", "draw_names", "pack",
-           "unpack", "check", "STAT_NAMES"]
-
-#: ArviZ's names of NumPyro's state fields in ``sample_stats`` (``lp`` is minus the
-#: potential energy).
-STAT_NAMES = {"potential_energy": "lp", "adapt_state.step_size": "step_size",
-              "num_steps": "n_steps", "accept_prob": "acceptance_rate"}
+__all__ = ["CheckpointError", "check", "fingerprint", "signature"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that this run cannot continue (or a file that is not one)."""
-
-
-class Saved(NamedTuple):
-    """What a checkpoint file holds.
-
-    Attributes
-    ----------
-    attrs : dict
-        The file's attributes (settings, fingerprint, resume history, seconds).
-    fingerprint : dict
-        ``{item: description}`` of the run that wrote it.
-    finished : bool
-        The file holds the whole run (ArviZ data; nothing else is read).
-    done : numpy.ndarray or None
-        Transitions made per chain.
-    state : numpy.ndarray or None
-        The sampler state's leaves as bytes, ``(chains, bytes)`` (see :func:`unpack`).
-    draws : dict or None
-        ``{(group, name): (chains, draws, ...) array}``, named as by :func:`draw_names`.
-    """
-
-    attrs: dict
-    fingerprint: dict
-    finished: bool
-    done: np.ndarray | None = None
-    state: list | None = None
-    draws: dict | None = None
 
 
 # -- what identifies a run --------------------------------------------------------------
@@ -116,7 +76,8 @@ def _describe(v) -> str:
     if isinstance(v, (tuple, list)):
         return "(" + ", ".join(_describe(x) for x in v) + ")"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k!r}: {_describe(x)}" for k, x in sorted(v.items(), key=str)) + "}"
+        items = sorted(v.items(), key=str)
+        return "{" + ", ".join(f"{k!r}: {_describe(x)}" for k, x in items) + "}"
     if isinstance(v, functools.partial):
         parts = [*map(_describe, v.args),
                  *(f"{k}={_describe(x)}" for k, x in sorted(v.keywords.items()))]
@@ -162,54 +123,12 @@ def _digest(tree) -> str:
     return h.hexdigest()
 
 
-def pack(leaves) -> np.ndarray:
-    """The sampler state's leaves (each ``(chains, ...)``) as one ``(chains, bytes)``
-    ``uint8`` array: each chain's leaves' bytes, one after another in tree order."""
-    rows = [b"".join(np.ascontiguousarray(x[c]).tobytes() for x in leaves)
-            for c in range(leaves[0].shape[0])]
-    return np.stack([np.frombuffer(r, np.uint8) for r in rows])
-
-
-def unpack(packed, like) -> list:
-    """The leaves :func:`pack` packed, given one chain's leaves (or their shapes and
-    dtypes) ``like``, in tree order."""
-    out, start = [], 0
-    for t in like:
-        size = np.dtype(t.dtype).itemsize * int(np.prod(t.shape))
-        out.append(np.stack([np.frombuffer(row[start:start + size].tobytes(), t.dtype)
-                             .reshape(t.shape) for row in packed]))
-        start += size
-    if start != packed.shape[1]:
-        raise CheckpointError(f"sample: a checkpoint's sampler state has {packed.shape[1]} bytes "
-                              f"per chain where this run's has {start}")
-    return out
-
-
-def draw_names(fields, buffers) -> list:
-    """``(group, name)`` of each leaf of the collected ``buffers`` (one tree per field),
-    in tree order: the sample field's sites go to ``posterior`` (named by site, or
-    ``Param:i`` as ``arviz.from_numpyro`` names them), the others to ``sample_stats``
-    under ArviZ's names."""
-    names = []
-    for k, (field, tree) in enumerate(zip(fields, buffers)):
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        for i, (path, _) in enumerate(flat):
-            if k == 0:
-                keys = [str(getattr(p, "key", "")) for p in path]
-                names.append(("posterior", ".".join(keys) if all(keys) and keys
-                              else f"Param:{i}"))
-            else:
-                base = STAT_NAMES.get(field, field)
-                names.append(("sample_stats", base if len(flat) == 1 else f"{base}.{i}"))
-    return names
-
-
 # -- checking ----------------------------------------------------------------------------
 
 
-def check(saved: Saved, current: dict, path) -> None:
+def check(saved, current: dict, path) -> None:
     """Raise :class:`CheckpointError` naming every item of ``current`` that differs from
-    the checkpoint's fingerprint."""
+    the fingerprint of ``saved`` (a :class:`~.checkpoint.Saved`)."""
     differ = [k for k in current if saved.fingerprint.get(k) != current[k]]
     if not differ:
         return

@@ -6,17 +6,24 @@ preallocated buffers), and its draws are bitwise ``MCMC``'s. The loop is one jit
 function whose bounds are runtime arguments, so any segment ``[lo, hi)`` of a run uses
 the very same compiled program: a run cut into segments (for checkpoints, or resumed in
 another process) computes exactly what one uninterrupted loop computes, without
-compiling again. NumPyro's own continuation (``post_warmup_state``) compiles a second
-program instead.
+compiling again.
 
 The chains run in *lanes*: ``"batched"`` (vectorized: one state holds every chain),
 ``"each"`` (one chain after another) or ``"mapped"`` (states stacked on a chain axis,
 run by ``jax.pmap`` or the user's chain transform). Outside the loop every chain's state
 and draws are kept stacked on a leading chain axis, whatever the lanes.
 
-This module owns :func:`lanes_for`, :func:`init_states`, :class:`Segments` and
-:class:`Run` (a finished run as ``pb.to_arviz`` reads an ``MCMC``). Imports jax, numpy
-and numpyro.
+Why not NumPyro's own loop (``MCMC.run``, whose ``fori_collect`` loops to a bound fixed
+when it compiles, with ``post_warmup_state`` to continue): every segment length would be
+a program of its own, compiled inside the tuner's timed segments; a checkpoint inside
+warmup would need an ``MCMC`` per segment; the sites' routes (a runtime input here)
+would have no way in; and with its progress bar on, ``fori_collect`` runs the body from
+Python once per iteration, another program than with it off. What NumPyro decides
+itself, it decides here too: ``MCMC`` validates the chain method and falls back from
+``"parallel"`` (:func:`lanes_for`), and ``kernel.init``/``kernel.sample`` are NumPyro's.
+
+This module owns :func:`lanes_for`, :func:`init_states` and :class:`Segments`. Imports
+jax, numpy, numpyro, the core's interface and :mod:`.progress`.
 """
 
 from __future__ import annotations
@@ -29,14 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from numpyro.infer import MCMC
 from numpyro.util import is_prng_key
 
 from parallel_backend.extend import GRAPH, HOST, Slots, carried
 
 from .progress import figures
 
-__all__ = ["Lanes", "lanes_for", "collected_fields", "init_states", "Segments", "Run",
-           "to_host", "to_device", "is_key", "SLOTS"]
+__all__ = ["SLOTS", "Lanes", "Segments", "collected_fields", "init_states", "is_key", "lanes_for",
+           "to_device", "to_host"]
 
 #: Sites of a model whose route a run can switch at runtime (more are run where their
 #: executor puts them).
@@ -63,23 +71,21 @@ class Lanes(NamedTuple):
         return [list(range(num_chains))]
 
 
-def lanes_for(chain_method, num_chains: int) -> Lanes:
-    """The lanes NumPyro's ``MCMC`` would use (one chain: one unbatched lane; too few
-    devices for ``"parallel"``: one chain after another, with NumPyro's warning)."""
-    if num_chains == 1 or chain_method == "sequential":
+def lanes_for(kernel, chain_method, num_chains: int) -> Lanes:
+    """The lanes of NumPyro's ``MCMC`` with these settings: it validates ``chain_method``
+    and, with fewer devices than chains, turns ``"parallel"`` into ``"sequential"`` with
+    its warning (which names the fix); one chain is one unbatched lane."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        method = MCMC(kernel, num_warmup=0, num_samples=1, num_chains=int(num_chains),
+                      chain_method=chain_method, progress_bar=False).chain_method
+    for w in caught:  # NumPyro's warning, pointed at the caller of pb.sample
+        warnings.warn(w.message, w.category, stacklevel=3)
+    if num_chains == 1 or method == "sequential":
         return Lanes("each")
-    if chain_method == "vectorized":
+    if method == "vectorized":
         return Lanes("batched")
-    if chain_method == "parallel":
-        if jax.local_device_count() < num_chains:
-            warnings.warn(f"sample: chain_method='parallel' needs {num_chains} devices, found "
-                          f"{jax.local_device_count()}; the chains run one after another. On a "
-                          f"CPU, start Python with XLA_FLAGS=--xla_force_host_platform_device_"
-                          f"count={num_chains} (or numpyro.set_host_device_count) for more.",
-                          stacklevel=3)
-            return Lanes("each")
-        return Lanes("mapped", jax.pmap)
-    return Lanes("mapped", chain_method)
+    return Lanes("mapped", jax.pmap if method == "parallel" else method)
 
 
 def collected_fields(kernel, extra=()) -> tuple:
@@ -224,42 +230,3 @@ def to_device(tree, like):
         return jnp.asarray(x, dtype=t.dtype)
 
     return jax.tree.map(put, tree, like)
-
-
-class Run:
-    """A finished run, with ``MCMC``'s accessors for its draws.
-
-    Parameters
-    ----------
-    kernel : MCMCKernel
-    fields : tuple of str
-        The collected fields, sample field first.
-    buffers : tuple
-        One array tree per field, each leaf ``(chains, draws, ...)``.
-    last_state : pytree
-        Every chain's final state, stacked on a leading chain axis.
-    model_args, model_kwargs : tuple, dict
-    """
-
-    thinning = 1
-
-    def __init__(self, kernel, fields, buffers, last_state, model_args, model_kwargs):
-        self.sampler = kernel
-        self.fields = tuple(fields)
-        self.values = dict(zip(self.fields, buffers))
-        self.last_state = last_state
-        self.model_args, self.model_kwargs = tuple(model_args), dict(model_kwargs)
-        first = jax.tree.leaves(buffers[0])[0]
-        self.num_chains, self.num_samples = int(first.shape[0]), int(first.shape[1])
-
-    def _get(self, value, group_by_chain):
-        if group_by_chain:
-            return value
-        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), value)
-
-    def get_samples(self, group_by_chain: bool = False):
-        return self._get(self.values[self.fields[0]], group_by_chain)
-
-    def get_extra_fields(self, group_by_chain: bool = False) -> dict:
-        return {k: self._get(v, group_by_chain) for k, v in self.values.items()
-                if k != self.fields[0]}

@@ -1,14 +1,17 @@
-"""The progress bar of ``pb.sample``.
+"""The progress bar of ``pb.sample``, and its count of gradient evaluations.
 
-The sampling loop (:mod:`.driver`) hands each transition's figures (:func:`figures`)
+The sampling loop (:mod:`.loop`) hands each transition's figures (:func:`figures`)
 to the host (``jax.debug.callback``; under vectorized chains once per batch).
 :class:`Progress` counts gradient evaluations from them (each transition's leapfrog
 steps; a batch of chains evaluates together, as many times as its longest trajectory
-needs) and turns them into a tqdm bar that shows, beside NumPyro's usual figures,
-gradient evaluations per second and the executor's worker count, and, for a run continued from a
+needs), which the tuner (:mod:`.tuning`) times per gradient and ``stats()`` reports, and
+turns them into a tqdm bar that shows, beside NumPyro's usual figures, gradient
+evaluations per second and the executor's worker count, and, for a run continued from a
 checkpoint, where it was resumed. The callback is always compiled in, shown or not, so
-``progress_bar`` never changes the compiled program and hence never the draws.
-Imports jax, numpy, tqdm.
+``progress_bar`` never changes the compiled program and hence never the draws. NumPyro's
+own bar (``fori_collect``'s) cannot stand in: when on, it runs the loop body from
+Python, one call per iteration, another program than with it off, and it counts no
+gradients. Imports jax, numpy, tqdm.
 """
 
 from __future__ import annotations
@@ -175,5 +178,6 @@ def figures(state):
 
     adapt = getattr(state, "adapt_state", None)
     step = getattr(adapt, "step_size", None) if adapt is not None else None
-    return (get("i", 0), get("num_steps", 0), jnp.asarray(0.0) if step is None else jnp.asarray(step),
+    return (get("i", 0), get("num_steps", 0),
+            jnp.asarray(0.0) if step is None else jnp.asarray(step),
             get("mean_accept_prob", get("accept_prob", 0.0)), get("diverging", False))

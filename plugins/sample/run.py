@@ -1,16 +1,18 @@
 """``pb.sample``: NumPyro's NUTS on an executor, returned in ArviZ's format; checkpoints,
 resuming, and a finished run that no later error can lose.
 
-The chains run in the NumPyro plugin's loop (``Chains``: NumPyro's ``kernel.init`` and
-``kernel.sample``, bitwise ``MCMC.run``'s draws), with the progress callback compiled
-in; it also splits the wall time between warmup and sampling. With ``checkpoint=`` the
-loop runs in segments of ``checkpoint_every`` iterations, each followed by a checkpoint
-(:mod:`.checkpoint`); every segment, and an uninterrupted run, is the same compiled
-program, so a resumed run's draws are those of an uninterrupted one. The result goes
-through :func:`~.convert.to_arviz`, which computes the pointwise log-likelihood on the
-same executor; if that or anything else after sampling fails, the draws are in a
-checkpoint file and :class:`ConversionError` says where. Imports jax, numpy, numpyro,
-the core's and the NumPyro plugin's public names.
+The chains run in this plugin's loop (:class:`~.chains.Chains`: NumPyro's
+``kernel.init`` and ``kernel.sample``, bitwise ``MCMC.run``'s draws), with the progress
+callback compiled in (:mod:`.progress`); it also splits the wall time between warmup and
+sampling. The tuner (:mod:`.tuning`) times the sites' routes on segments of the run and
+records its choice on each site. With ``checkpoint=`` the loop runs in segments of
+``checkpoint_every`` iterations, each followed by a checkpoint (:mod:`.checkpoint`);
+every segment, and an uninterrupted run, is the same compiled program, so a resumed
+run's draws are those of an uninterrupted one. The result goes through the ArviZ
+plugin's ``to_arviz``, which computes the pointwise log-likelihood on the same executor;
+if that or anything else after sampling fails, the draws are in a checkpoint file and
+:class:`ConversionError` says where. Imports jax, numpy, numpyro, the core's public
+names, the ArviZ plugin's ``convert`` and ``io`` and the NumPyro plugin's ``replay``.
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ from numpyro.infer.mcmc import MCMCKernel
 
 import parallel_backend as pb
 from parallel_backend.extend import check_count, resolve_executor
-from parallel_backend.plugins.numpyro import (HMC_EXTRA_FIELDS, Chains, Progress, Tuner, check,
-                                              collected_fields, draw_names, fingerprint,
-                                              lanes_for, signature, terminal, to_host, unpack)
 
+from ..arviz.convert import to_arviz
+from ..arviz.io import load
+from ..numpyro.replay import HMC_EXTRA_FIELDS
 from . import checkpoint as ckpt
-from .convert import to_arviz
-from .io import load
+from .chains import Chains
+from .fingerprint import check, fingerprint, signature
+from .loop import collected_fields, lanes_for, to_host
+from .progress import Progress, terminal
+from .tuning import Tuner
 
-__all__ = ["sample", "ConversionError"]
+__all__ = ["ConversionError", "sample"]
 
 CHAIN_METHODS = ("vectorized", "parallel", "sequential")
 
@@ -115,7 +120,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     ValueError
         Bad counts or ``chain_method``; ``nuts_kwargs`` together with a kernel; a
         ``checkpoint`` in a folder that does not exist.
-    parallel_backend.plugins.numpyro.CheckpointError
+    parallel_backend.plugins.sample.CheckpointError
         ``checkpoint`` holds another run, or is not a checkpoint (a ``ValueError``).
     ConversionError
         Sampling finished, but converting the run failed; the error says in which file
@@ -164,7 +169,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
                         f"such as NUTS(model), got {type(model).__name__}")
     key = _key(seed)
     path = _path(checkpoint)
-    lanes = lanes_for(chain_method, num_chains)
+    lanes = lanes_for(kernel, chain_method, num_chains)
     settings = _settings(num_warmup, num_samples, num_chains, chain_method, seed, init_params)
 
     print_ = fingerprint(model, kernel, settings, model_args, model_kwargs)
@@ -195,8 +200,8 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
         print_.update(signature(one, draws))
         if saved is not None:
             check(saved, print_, path)
-            names = draw_names(fields, draws)
-            chains.restore(unpack(saved.state, jax.tree.leaves(to_host(one))),
+            names = ckpt.draw_names(fields, draws)
+            chains.restore(ckpt.unpack(saved.state, jax.tree.leaves(to_host(one))),
                            [saved.draws[n] for n in names], saved.done)
         if path is not None:
             on_segment = ckpt.writer(path, chains, fields, draws, print_, history, progress)

@@ -24,7 +24,7 @@ import numpy as np
 
 from parallel_backend.extend import GRAPH, HOST, choose
 
-__all__ = ["Tuner", "ROUNDS", "SEGMENT_SECONDS"]
+__all__ = ["ROUNDS", "SEGMENT_SECONDS", "Tuner"]
 
 #: Paired rounds (a segment on each route) timed to choose.
 ROUNDS = 3

@@ -23,8 +23,9 @@ import pytest
 import xarray as xr
 
 import parallel_backend as pb
-from parallel_backend.plugins.arviz import (DATATREE, HMC_EXTRA_FIELDS, ConversionError, load,
-                                            pointwise_log_likelihood, save)
+from parallel_backend.plugins.arviz import DATATREE, HMC_EXTRA_FIELDS, load, save
+from parallel_backend.plugins.numpyro import pointwise_log_likelihood
+from parallel_backend.plugins.sample import ConversionError
 from helpers import from_draws, loo_elpd, run_groups
 
 N, G, NZ = 240, 4, 15
@@ -244,11 +245,15 @@ def test_numpyro_plugin_imports_without_arviz(tmp_path):
             pb.sample(lambda: None, progress_bar=False)
         except ImportError as e:
             print("ERR", e)
+        try:
+            import parallel_backend.plugins.sample
+        except ImportError as e:
+            print("ERR", e)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr
-    assert 'pip install "parallel-backend[arviz]"' in out.stdout
+    assert out.stdout.count('pip install "parallel-backend[arviz]"') == 2, out.stdout
 
 
 def plated_model(x, y=None):

@@ -30,7 +30,7 @@ import parallel_backend as pb
 from helpers import regression_data, regression_model, run_groups
 from parallel_backend.plugins.arviz import load, save
 from parallel_backend.plugins.arviz.io import read_groups
-from parallel_backend.plugins.numpyro import CheckpointError
+from parallel_backend.plugins.sample import CheckpointError
 
 N = 400
 SITES = ("alpha", "beta", "sigma")

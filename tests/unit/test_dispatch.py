@@ -12,7 +12,7 @@ import pytest
 import parallel_backend as pb
 from parallel_backend.dispatch import (GRAPH, HOST, MARGIN, Slots, carried, choose,
                                        default_route)
-from parallel_backend.plugins.numpyro.tuning import ROUNDS, Tuner
+from parallel_backend.plugins.sample.tuning import ROUNDS, Tuner
 
 
 def hmm_like(y, a):
