@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .internals import CALLS, Literal, bind_params, equation_context, jaxprs_in_params
+from .internals import CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 from .internals import HOST_CODE as _HOST_CODE
 
-__all__ = ["Split", "split_known", "evaluate_equations", "known_function", "unknown_function"]
+__all__ = ["Split", "split_known", "part", "known_function", "unknown_function"]
 
 #: Primitives not worth a stored residual on their own: data movement and arithmetic
 #: that costs about as much as reading its result back from memory.
@@ -186,48 +186,43 @@ def split_known(closed, n_resident: int, n_traced: int) -> Split:
     return Split(closed, n_resident, n_traced, tuple(sorted(wanted)), unknown, residuals, raw)
 
 
-def evaluate_equations(closed, indices, env: dict) -> dict:
-    """Bind the equations ``indices`` of ``closed`` in order, reading and writing ``env``
-    (variable -> value); as ``jax.core.eval_jaxpr`` does, but for a subset."""
-    eqns = closed.jaxpr.eqns
-    for i in indices:
-        eqn = eqns[i]
-        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-        params = bind_params(eqn)
-        with equation_context(eqn):
-            out = eqn.primitive.bind(*invals, **params)
-        outs = out if eqn.primitive.multiple_results else (out,)
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
-    return env
+def part(split: Split, eqns, invars, outvars):
+    """The equations ``eqns`` of ``split.jaxpr`` as a function of ``invars`` (built with
+    ``jax.extend.core``'s ``Jaxpr`` and evaluated by its ``jaxpr_as_fun``, as JAX
+    evaluates any jaxpr)."""
+    jaxpr = split.jaxpr.jaxpr
+    info = DebugInfo("reduce_sum block", "parallel_backend.hoist",
+                     tuple(f"in{i}" for i in range(len(invars))),
+                     tuple(f"out{i}" for i in range(len(outvars))))
+    sub = Jaxpr(jaxpr.constvars, list(invars), list(outvars),
+                [jaxpr.eqns[i] for i in eqns], jaxpr.effects, info)
+    return jaxpr_as_fun(ClosedJaxpr(sub, split.jaxpr.consts))
 
 
 def known_function(split: Split):
     """``f(resident_leaves) -> residuals`` for one block."""
+    inv = split.jaxpr.jaxpr.invars
+    run = part(split, split.known, inv[:split.n_resident], split.residuals)
 
     def known(resident):
-        jaxpr = split.jaxpr.jaxpr
-        env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
-        env.update(zip(jaxpr.invars[:split.n_resident], resident))
-        evaluate_equations(split.jaxpr, split.known, env)
-        return tuple(env[v] for v in split.residuals)
+        return tuple(run(*resident))
 
     return known
 
 
 def unknown_function(split: Split):
-    """``f(raw_resident, residuals, traced, shared) -> pointwise`` for one block."""
+    """``f(raw_resident, residuals, traced, shared) -> pointwise`` for one block: the
+    equations computed at every evaluation (only for a split that hoisted something;
+    otherwise the site calls ``fn`` itself)."""
+    inv = split.jaxpr.jaxpr.invars
+    start = split.n_resident + split.n_traced
+    run = part(split, split.unknown,
+               [inv[k] for k in split.raw] + list(split.residuals)
+               + list(inv[split.n_resident:start]) + list(inv[start:]),
+               split.jaxpr.jaxpr.outvars)
 
     def unknown(raw, residuals, traced, shared):
-        jaxpr = split.jaxpr.jaxpr
-        inv = jaxpr.invars
-        env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
-        env.update((inv[k], x) for k, x in zip(split.raw, raw))
-        env.update(zip(split.residuals, residuals))
-        env.update(zip(inv[split.n_resident:split.n_resident + split.n_traced], traced))
-        env.update(zip(inv[split.n_resident + split.n_traced:], shared))
-        evaluate_equations(split.jaxpr, split.unknown, env)
-        (out,) = jaxpr.outvars
-        return out.val if isinstance(out, Literal) else env[out]
+        (out,) = run(*raw, *residuals, *traced, *shared)
+        return out
 
     return unknown

@@ -1,10 +1,10 @@
 """Every use of JAX's internals, in one place.
 
 The core reads jaxprs (to pick an evaluation form and to hoist data-only work out of
-the per-evaluation program) and evaluates parts of them again. JAX's public API covers
-part of that (``jax.make_jaxpr``, ``jax.extend.core``, whose pieces JAX marks as
-unstable); the rest are attributes of jaxpr equations and primitive names held as
-strings. Each use is a small name here, and ``tests/unit/test_internals.py`` fails,
+the per-evaluation program) and evaluates parts of them again, with JAX's public API
+(``jax.make_jaxpr``, and ``jax.extend.core``, whose pieces JAX marks as unstable); the
+rest are equation attributes (``primitive.name``, ``params``, ``effects``) and primitive
+names held as strings. Each use is a small name here, and ``tests/unit/test_internals.py`` fails,
 naming the JAX version, when a release changes one of them. Tested on jax 0.10.2
 (Python 3.11) and jax 0.12.0.1 (Python 3.12 and 3.13); ``docs/layout.rst`` lists them.
 Imports jax only.
@@ -12,18 +12,20 @@ Imports jax only.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.extend.core as _jex
 
-__all__ = ["Literal", "jaxprs_in_params", "bind_params", "equation_context", "is_tracer",
+__all__ = ["Literal", "Jaxpr", "ClosedJaxpr", "DebugInfo", "jaxpr_as_fun", "jaxprs_in_params", "is_tracer",
            "SCAN", "WHILE", "CALLS", "HOST_CODE", "LAPACK"]
 
 #: A constant operand of a jaxpr equation (``jax.extend.core``, unstable).
 Literal = _jex.Literal
 #: The jaxprs held in an equation's parameters (a ``scan``'s body...), ``jax.extend.core``.
 jaxprs_in_params = _jex.jaxprs_in_params
+#: A jaxpr made of some of another's equations, and how JAX evaluates one
+#: (``jax.extend.core``): the hoisted part of a likelihood and the part left per call.
+Jaxpr, ClosedJaxpr, DebugInfo = _jex.Jaxpr, _jex.ClosedJaxpr, _jex.DebugInfo
+jaxpr_as_fun = _jex.jaxpr_as_fun
 
 # Primitive names, as ``eqn.primitive.name`` gives them: JAX exports no constants.
 #: The loop over a sequence (an HMM's forward algorithm).
@@ -39,22 +41,6 @@ HOST_CODE = frozenset({"pure_callback", "io_callback", "callback", "debug_callba
 LAPACK = frozenset({"cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3",
                     "householder_product", "eigh", "eig", "svd", "schur", "hessenberg",
                     "tridiagonal", "tridiagonal_solve"})
-
-
-def bind_params(eqn) -> dict:
-    """The keyword arguments that bind ``eqn``'s primitive again
-    (``Primitive.get_bind_params``: a call primitive stores its jaxpr in a form
-    ``bind`` does not take)."""
-    return eqn.primitive.get_bind_params(eqn.params)
-
-
-def equation_context(eqn):
-    """The context an equation was traced in (``eqn.ctx.manager``: its name stack and
-    compute type), to re-bind it as it was traced; a null context where a JAX release
-    has none."""
-    ctx = getattr(eqn, "ctx", None)
-    manager = getattr(ctx, "manager", None)
-    return manager if manager is not None else contextlib.nullcontext()
 
 
 def is_tracer(x) -> bool:

@@ -173,8 +173,11 @@ class Program:
         self.split: Split = split_known(closed, len(resident), len(traced))
         #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
         self.blocks_pool = blocks_pool(closed)
-        self._known = known_function(self.split)
-        self._unknown = unknown_function(self.split)
+        if self.split.hoisted:
+            self._known = known_function(self.split)
+            self._unknown = unknown_function(self.split)
+        else:  # nothing computed once: every block calls the user's function itself
+            self._unknown = _calls_fn(spec, resident, self.split.raw)
         plan = spec.plan
         valid = np.full(plan.n_blocks, plan.block_rows, np.int32)
         if plan.n_blocks:
@@ -383,6 +386,21 @@ class Program:
         fn = jax.jit(run)
         with self._lock:
             return self._compiled.setdefault(key, fn)
+
+
+def _calls_fn(spec: SiteSpec, resident, raw):
+    """``f(raw, residuals, traced, shared) -> pointwise``: ``fn`` on one block, for a site
+    with nothing hoisted. Only the resident leaves ``fn`` reads are kept (``raw``); the
+    others are zeros of their shape, which ``fn`` never reads."""
+    block = spec.block_fn()
+
+    def unknown(raw_leaves, residuals, traced, shared):
+        leaves = [jnp.zeros(r.shape, r.dtype) for r in resident]
+        for k, x in zip(raw, raw_leaves):
+            leaves[k] = x
+        return block(leaves, traced, shared)
+
+    return unknown
 
 
 def _merge(full, subset, mask):

@@ -49,30 +49,33 @@ def test_jaxprs_in_params_finds_nested_bodies():
     assert bodies and any(e.primitive.name == "sin" for b in bodies for e in b.eqns), VERSION
 
 
-def test_equations_bind_again_as_traced():
-    """``bind_params`` and ``equation_context`` re-evaluate a jaxpr with a nested call and
-    a scan to the bits ``jax.core.eval_jaxpr`` gives."""
+def test_a_jaxpr_of_some_equations_evaluates_as_the_whole():
+    """``Jaxpr`` over a subset of another jaxpr's equations (a nested call and a scan),
+    evaluated by ``jaxpr_as_fun``, gives the bits of the function it was made from: the
+    hoisted part and the per-evaluation part of a likelihood are built this way."""
 
     @jax.jit
     def inner(x):
         return jnp.tanh(x) * 3.0
 
     def f(x):
-        return jax.lax.scan(lambda c, y: (c * 0.5 + inner(y), c), 0.0, x)
+        y = jnp.exp(x)
+        return jax.lax.scan(lambda c, z: (c * 0.5 + inner(z), c), 0.0, y)
 
     x = jnp.linspace(-1, 1, 5)
     closed = jax.make_jaxpr(f)(x)
-    env = dict(zip(closed.jaxpr.invars, [x]))
-    env.update(zip(closed.jaxpr.constvars, closed.consts))
-    for eqn in closed.jaxpr.eqns:
-        vals = [v.val if isinstance(v, internals.Literal) else env[v] for v in eqn.invars]
-        with internals.equation_context(eqn):
-            out = eqn.primitive.bind(*vals, **internals.bind_params(eqn))
-        for v, o in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
-            env[v] = o
-    got = [env[v] for v in closed.jaxpr.outvars]
-    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x)
-    for a, b in zip(got, want):
+    jaxpr = closed.jaxpr
+    (first, *rest) = jaxpr.eqns
+    def info(n_in, n_out):
+        return internals.DebugInfo("test", "test", ("x",) * n_in, ("y",) * n_out)
+
+    head = internals.Jaxpr(jaxpr.constvars, jaxpr.invars, first.outvars, [first],
+                           jaxpr.effects, info(1, 1))
+    tail = internals.Jaxpr(jaxpr.constvars, first.outvars, jaxpr.outvars, rest, jaxpr.effects,
+                           info(1, 2))
+    (y,) = internals.jaxpr_as_fun(internals.ClosedJaxpr(head, closed.consts))(x)
+    got = internals.jaxpr_as_fun(internals.ClosedJaxpr(tail, closed.consts))(y)
+    for a, b in zip(got, jax.jit(f)(x)):
         np.testing.assert_array_equal(a, b, err_msg=VERSION)
 
 
