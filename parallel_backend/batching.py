@@ -41,7 +41,7 @@ def set_batching(routed, host, graph, counted, route, form):
     (docs/performance.md), the residuals of every chain's steps no longer in
     cache. Here the graph path maps over the sets (``lax.map``) and the host path hands
     the whole batch to one callback whose tasks evaluate each set unbatched (see
-    :func:`.host.run_chunk`): on both, a set's values and gradients are the bits of the
+    :func:`.tasks.run_task`): on both, a set's values and gradients are the bits of the
     unbatched program, whether chains are vectorized or not. A batch counts as one
     graph call of as many sets, as a batched site's does."""
 

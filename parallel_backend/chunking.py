@@ -155,6 +155,7 @@ class AdaptiveChunker:
         self._lock = threading.Lock()
         self._block_seconds: list[float] = []
         self._overhead_seconds: list[float] = []
+        self._plans: dict = {}  # tiles per chunk -> chunks
         target = self.tiles.n_tiles / (self.workers * chunks_per_worker)
         self._tiles_per_chunk = _pow2_floor(target)
 
@@ -174,8 +175,13 @@ class AdaptiveChunker:
         return self._tiles_per_chunk * self.tiles.tile_blocks
 
     def chunks(self) -> list[Chunk]:
-        """The chunk plan for the next call."""
-        return split_tiles(self.tiles, self._tiles_per_chunk)
+        """The chunk plan for the next call (each plan made once: a settled chunker
+        hands out the same list at every evaluation)."""
+        k = self._tiles_per_chunk
+        plan = self._plans.get(k)
+        if plan is None:
+            plan = self._plans[k] = split_tiles(self.tiles, k)
+        return plan
 
     def record(self, blocks: int, compute_seconds: float, overhead_seconds: float) -> None:
         """Feed one measured chunk: its blocks, compute time and task overhead."""

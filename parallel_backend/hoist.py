@@ -15,17 +15,22 @@ Only work worth keeping is hoisted: a residual made by cheap data movement or
 arithmetic (a reshape, ``y + 1``) is recomputed instead of stored, and nothing is
 hoisted when the residuals would take more than ``MAX_RESIDUAL_RATIO`` times the
 memory of the data. The split depends only on the jaxpr, so every process makes
-the same one. Imports jax and numpy only.
+the same one. Where nothing is hoisted, a block calls ``fn`` itself (:func:`calls_fn`);
+otherwise the two parts are jaxprs of ``fn``'s equations, built and evaluated with
+``jax.extend.core`` (:func:`part`). Imports jax only.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from .internals import CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
+import jax.numpy as jnp
+
+from .internals import (CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun,
+                        jaxprs_in_params)
 from .internals import HOST_CODE as _HOST_CODE
 
-__all__ = ["Split", "split_known", "part", "known_function", "unknown_function"]
+__all__ = ["Split", "split_known", "part", "known_function", "unknown_function", "calls_fn"]
 
 #: Primitives not worth a stored residual on their own: data movement and arithmetic
 #: that costs about as much as reading its result back from memory.
@@ -224,5 +229,20 @@ def unknown_function(split: Split):
     def unknown(raw, residuals, traced, shared):
         (out,) = run(*raw, *residuals, *traced, *shared)
         return out
+
+    return unknown
+
+
+def calls_fn(spec, resident, raw):
+    """``f(raw, residuals, traced, shared) -> pointwise``: ``fn`` on one block, for a site
+    with nothing hoisted. Only the resident leaves ``fn`` reads are kept (``raw``); the
+    others are zeros of their shape, which ``fn`` never reads."""
+    block = spec.block_fn()
+
+    def unknown(raw_leaves, residuals, traced, shared):
+        leaves = [jnp.zeros(r.shape, r.dtype) for r in resident]
+        for k, x in zip(raw, raw_leaves):
+            leaves[k] = x
+        return block(leaves, traced, shared)
 
     return unknown

@@ -6,8 +6,9 @@ the shared leaves (host arrays; under ``vmap`` with leading batch axes). In orde
 1. :func:`unbatch` flattens any batch axes to one and notes which leaves carry it;
 2. the traced leaves are cut into blocks and the chunks are planned (the adaptive
    chunker, or the user's ``grainsize``), runs of whole tiles;
-3. ``executor.map_chunks(state, chunks, evaluation)`` runs them on the workers,
-   each through :func:`run_chunk` (here, or in another process);
+3. each chunk becomes a :class:`~parallel_backend.tasks.Task` (a plain value) and
+   ``executor.run_tasks(tasks)`` runs them on the workers, each through
+   :func:`~parallel_backend.tasks.run_task` (here, or in another process);
 4. :func:`assemble` puts the per-block partials back in block order and the batch
    shape is restored; :mod:`.reduce` folds them.
 
@@ -16,177 +17,27 @@ Imports jax, numpy and the core.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 import time
-from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
-from .blocks import TilePlan, xla_threads
-from .chunking import Chunk, fixed_chunks
+from .chunking import fixed_chunks
 from .errors import ChunkError
-from .sets import block_axis, take_blocks
-from .spec import Program, pad_blocks
+from .tasks import Evaluation, Task, pad_blocks
 
-__all__ = ["Evaluation", "ChunkResult", "evaluate", "run_chunk", "assemble", "unbatch",
-           "tile_ranges"]
+__all__ = ["evaluate", "assemble", "unbatch"]
 
 
-class Evaluation(NamedTuple):
-    """What every chunk task of one host evaluation needs.
-
-    Attributes
-    ----------
-    traced : tuple
-        Per traced data leaf: its blocks, ``(blocks, block_rows, *row)``, or
-        ``(batch, blocks, block_rows, *row)`` where ``in_axes`` marks it batched; the
-        blocks from ``first`` on.
-    shared : tuple
-        The shared leaves (a leading batch axis where ``in_axes`` says so).
-    diff_traced, diff_shared : tuple of bool
-        Which leaves get gradients.
-    in_axes : tuple or None
-        ``(traced_axes, shared_axes)`` (0 or None per leaf) under a batch of parameter
-        sets (``vmap``), else ``None``.
-    first : int
-        The block that ``traced``'s block axis starts at.
-    """
-
-    traced: tuple
-    shared: tuple
-    diff_traced: tuple
-    diff_shared: tuple
-    in_axes: Any
-    first: int = 0
-
-    def blocks(self, a: int, b: int) -> tuple:
-        """The traced leaves' blocks ``[a, b)`` (absolute block numbers)."""
-        axes = self.in_axes[0] if self.in_axes is not None else (None,) * len(self.traced)
-        lo, hi = a - self.first, b - self.first
-        return take_blocks(self.traced, axes, lo, hi)
-
-    def restrict(self, a: int, b: int) -> "Evaluation":
-        """The same evaluation with only blocks ``[a, b)`` of the traced leaves (what a
-        worker that evaluates only those needs to receive)."""
-        return self._replace(traced=self.blocks(a, b), first=a)
-
-
-class ChunkResult(NamedTuple):
-    """What one task returns.
-
-    Attributes
-    ----------
-    chunk : Chunk
-    values : array
-        ``(*batch, blocks)``.
-    shared_grads : tuple
-        Each ``(*batch, blocks, *leaf_shape)``.
-    data_grads : tuple
-        Each ``(*batch, blocks, block_rows, *row_shape)``.
-    seconds : float
-        Time the task computed.
-    """
-
-    chunk: Chunk
-    values: Any
-    shared_grads: tuple
-    data_grads: tuple
-    seconds: float
-
-
-#: Chunk programs that may block a thread of XLA's CPU pool (``Program.blocks_pool``:
-#: batched LAPACK kernels) run at most this many at a time in this process, so that one
-#: pool thread always stays free to do the work they wait for; otherwise as many of them
-#: as the pool has threads wait for each other forever. Process-wide, as the pool is.
-POOL_SLOTS = max(1, xla_threads() - 1)
-_POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
-
-
-def tile_ranges(tiles: TilePlan, chunk: Chunk) -> list[tuple[int, int]]:
-    """The tiles ``[a, b)`` (in blocks) that make up ``chunk`` (a run of whole tiles)."""
-    out, a, stop = [], chunk.first, chunk.first + chunk.count
-    while a < stop:
-        t = min(a // tiles.tile_blocks, tiles.n_tiles - 1)
-        b = tiles.tile_range(t)[1]
-        out.append((a, b))
-        a = b
-    return out
-
-
-def run_chunk(program: Program, resident, chunk: Chunk, evaluation: Evaluation) -> ChunkResult:
-    """Evaluate the blocks of ``chunk`` (a run of whole tiles) on the calling thread, with
-    one compiled call: one ``vmap`` over its blocks in the batched form, one loop over
-    them in the looped form (one per parameter set under a batch of them).
-
-    ``resident`` (a :class:`~parallel_backend.site.Resident`) holds the prepared data of
-    at least the chunk's blocks; ``evaluation`` the traced blocks from its ``first``.
-    """
-    spec = program.spec
-    ev = evaluation
-    gate = _POOL_GATE if program.blocks_pool else contextlib.nullcontext()
-    try:
-        # The same precision and device on every thread, so every thread hits the same
-        # compiled function (a pure_callback's thread has a default device set).
-        with gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
-            t0 = time.perf_counter()  # after the gate: the chunker wants compute time
-            a, b = chunk.first, chunk.first + chunk.count
-            last = b == spec.plan.n_blocks
-            if spec.form == "looped":
-                out = _looped(program, resident, chunk, ev, last)
-            elif last and spec.tiles.tail:  # the padded block apart (see Program.batched)
-                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
-                                      last)
-                tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
-                out = fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
-                         program.valid[a:b - 1], tail)
-            else:
-                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
-                                      last)
-                out = fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
-            out = jax.device_get(out)
-            seconds = time.perf_counter() - t0
-    except Exception as e:
-        raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
-    return ChunkResult(chunk, out.values, tuple(out.shared_grads), tuple(out.data_grads),
-                       seconds)
-
-
-def _looped(program: Program, resident, chunk: Chunk, ev: Evaluation, last: bool):
-    """A looped chunk: one call of the unbatched program, or one per parameter set of a
-    batch (``vmap``): a set's partials are then the bits of the unbatched program, as
-    in the graph path (see :func:`.batching.set_batching`)."""
-    a, b = chunk.first, chunk.first + chunk.count
-    fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, None, last)
-
-    def call(traced, shared):
-        return fn(resident.everything(), traced, shared, program.valid[a:b],
-                  np.int32(a - resident.first), np.int32(chunk.count))
-
-    traced = ev.blocks(a, b)
-    if ev.in_axes is None:
-        return call(traced, ev.shared)
-    axes_t, axes_s = ev.in_axes
-    k = next(x.shape[0] for x, ax in zip(traced + ev.shared, axes_t + axes_s) if ax == 0)
-
-    def member(leaves, axes, m):
-        return tuple(x[m] if ax == 0 else x for x, ax in zip(leaves, axes))
-
-    sets = [jax.device_get(call(member(traced, axes_t, m), member(ev.shared, axes_s, m)))
-            for m in range(k)]
-    return jax.tree.map(lambda *xs: np.stack(xs), *sets)
-
-
-def assemble(program: Program, results, batch: tuple, traced_shapes, shared_shapes):
+def assemble(program, results, batch: tuple, traced_shapes, shared_shapes):
     """Whole-call buffers from chunk results, in block order: per-block values and shared
     gradients, per-row data gradients (``N`` rows, padding dropped)."""
     spec = program.spec
     p = spec.plan
-    values = np.empty(batch + (p.n_blocks,), np.dtype(spec.value_dtype))
-    g_shared = [np.empty(batch + (p.n_blocks,) + s, d) for s, d in shared_shapes]
-    g_data = [np.empty(batch + (p.n_blocks * p.block_rows,) + s, d) for s, d in traced_shapes]
+    n_blocks = len(program.valid)
+    values = np.empty(batch + (n_blocks,), np.dtype(spec.value_dtype))
+    g_shared = [np.empty(batch + (n_blocks,) + s, d) for s, d in shared_shapes]
+    g_data = [np.empty(batch + (n_blocks * p.block_rows,) + s, d) for s, d in traced_shapes]
     lead = (slice(None),) * len(batch)
     for res in results:
         c = res.chunk
@@ -209,15 +60,18 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     Called from the host callback with host arrays (jax 0.10 hands a callback
     ``jax.Array`` values, not numpy: an executor that pickles them converts them
     first). Under ``vmap`` the arguments carry leading batch axes; every batch member
-    goes in each task.
+    goes in each task. The site's program and host data are plain attributes once made
+    (``state.host``), so an evaluation reads them without calling into the site.
     """
     executor.check_open()
-    program = state.program
+    parts = state.host or state.prepare_host()
+    program, resident = parts
     plan = program.spec.plan
     t0 = time.perf_counter()
     traced, shared, in_axes, batch_shape = unbatch(traced, shared, orig_ndims)
     axes_t = in_axes[0] if in_axes is not None else (None,) * len(traced)
-    blocked = tuple(pad_blocks(np.asarray(t), plan, axis=block_axis(ax))
+    # The block axis follows a leaf's batch axis, if it has one.
+    blocked = tuple(pad_blocks(np.asarray(t), plan, axis=1 if ax == 0 else 0)
                     for t, ax in zip(traced, axes_t))
     # numpy, not the callback's jax arrays: those are committed to the caller's device,
     # and a chunk may run on another (a DeviceExecutor's).
@@ -225,13 +79,14 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
                             tuple(diff_shared), in_axes)
     chunks = (state.chunker.chunks() if grainsize is None
               else fixed_chunks(plan, grainsize, program.spec.tiles))
+    tasks = [Task(state, program, resident, c, evaluation) for c in chunks]
     try:
-        results = executor.map_chunks(state, chunks, evaluation)
+        results = executor.run_tasks(tasks)
     except ChunkError as e:
         raise ChunkError.wrap(e, e.rows, state.label, executor.name) from e.__cause__
     wall = time.perf_counter() - t0
     busy = sum(r.seconds for r in results)
-    if grainsize is None and results:
+    if grainsize is None and results and not state.chunker.settled:
         overhead = max(wall * min(executor.workers, len(results)) - busy, 0.0) / len(results)
         for r in results:
             state.chunker.record(r.chunk.count, r.seconds, overhead)

@@ -19,9 +19,10 @@ from collections import OrderedDict
 
 import jax
 
-from .chunking import AdaptiveChunker, Chunk
+from .chunking import AdaptiveChunker
 from .identity import frozen
 from .spec import Program, SiteSpec, host_device
+from .tasks import Resident
 
 __all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly", "MAX_SITES", "MAX_SITE_BYTES"]
 
@@ -29,10 +30,6 @@ __all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly", "MAX_SITES", "MA
 #: bytes (the most recent site always stays), least recently used out first.
 MAX_SITES = 64
 MAX_SITE_BYTES = 4 * 2 ** 30
-#: Chunk views (device arrays of a run of blocks) kept per holder, least recently used
-#: out first, and at most this many times the bytes of the data held.
-MAX_VIEWS = 64
-MAX_VIEW_COPIES = 2
 
 
 def run_eagerly(fn, *args):
@@ -41,73 +38,6 @@ def run_eagerly(fn, *args):
     never a part of the traced program."""
     with jax.ensure_compile_time_eval():
         return fn(*args)
-
-
-class Resident:
-    """Prepared blocks ``[first, first + n)`` a worker holds, as numpy arrays, with device
-    copies of runs of them made once (a tile's, or the whole run's) and kept.
-
-    Parameters
-    ----------
-    arrays : tuple of numpy arrays
-        Each ``(n, block_rows, ...)``.
-    first : int
-        The first block held.
-    x64 : bool
-        Precision to place them in (without x64, float64 data would become float32).
-    device : jax.Device, optional
-        Where the views live; default: the host CPU device.
-    """
-
-    def __init__(self, arrays, first: int = 0, x64: bool = False, device=None):
-        self.arrays = tuple(arrays)
-        self.first = int(first)
-        self.n = int(self.arrays[0].shape[0]) if self.arrays else 0
-        self.x64 = bool(x64)
-        self.device = device if device is not None else host_device()
-        self._views: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def view(self, a: int, b: int) -> tuple:
-        """Device arrays of blocks ``[a, b)`` (absolute block numbers)."""
-        key = (a, b)
-        with self._lock:
-            view = self._views.get(key)
-            if view is not None:
-                self._views.move_to_end(key)
-                return view
-        lo, hi = a - self.first, b - self.first
-        with jax.enable_x64(self.x64):
-            view = tuple(jax.device_put(x[lo:hi], self.device) for x in self.arrays)
-        with self._lock:
-            self._views[key] = view
-            budget = MAX_VIEW_COPIES * max(self.nbytes, 1)
-            while len(self._views) > 1 and (len(self._views) > MAX_VIEWS
-                                            or self._view_bytes() > budget):
-                self._views.popitem(last=False)
-        return view
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in self.arrays)
-
-    def _view_bytes(self) -> int:
-        return sum(a.nbytes for view in self._views.values() for a in view)
-
-    def everything(self) -> tuple:
-        """Device arrays of every block held."""
-        return self.view(self.first, self.first + self.n)
-
-    def delete(self) -> None:
-        """Free the device copies now."""
-        with self._lock:
-            views, self._views = list(self._views.values()), OrderedDict()
-        for view in views:
-            for arr in view:
-                try:
-                    arr.delete()
-                except Exception:  # noqa: BLE001 - already freed or aliased
-                    pass
 
 
 class SiteState:
@@ -140,7 +70,8 @@ class SiteState:
         self._lock = threading.Lock()
         self._program = None
         self._prepared = None
-        self._host = None
+        #: ``(program, resident)`` once :meth:`prepare_host` made them, else ``None``.
+        self.host = None
         #: Gradient evaluations in the graph that pb.sample counted: (calls, batches).
         self.sampled = [0, 0]
 
@@ -186,24 +117,23 @@ class SiteState:
 
     def resident(self) -> Resident:
         """The prepared data on the host CPU device (for host-path chunks here)."""
-        if self._host is None:
-            prepared = self.prepared()
+        return self.prepare_host()[1]
+
+    def prepare_host(self) -> tuple:
+        """``(program, resident)`` for host-path tasks in this process, made once and
+        kept in the plain attribute :attr:`host` (what an evaluation reads)."""
+        if self.host is None:
+            program, prepared = self.program, self.prepared()
             with self._lock:
-                if self._host is None:
-                    self._host = Resident(prepared, 0, self.spec.x64)
-        return self._host
-
-    def run_chunk(self, chunk: Chunk, evaluation):
-        """Evaluate ``chunk`` here, on the calling thread (see :func:`host.run_chunk`)."""
-        from .host import run_chunk
-
-        return run_chunk(self.program, self.resident(), chunk, evaluation)
+                if self.host is None:
+                    self.host = (program, Resident(prepared, 0, self.spec.x64, host_device()))
+        return self.host
 
     def release(self) -> None:
         """Free device copies (the state stays usable: they are made again on demand)."""
-        host, self._host = self._host, None
+        host, self.host = self.host, None
         if host is not None:
-            host.delete()
+            host[1].delete()
 
     def __repr__(self) -> str:
         p = self.spec.plan

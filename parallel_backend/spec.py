@@ -27,7 +27,8 @@ from jax import lax
 
 from .blocks import BlockPlan, TilePlan, tree_sum
 from .forms import blocks_pool
-from .hoist import Split, known_function, split_known, unknown_function
+from .hoist import Split, calls_fn, known_function, split_known, unknown_function
+from .tasks import host_device, pad_blocks, program_key
 from .sets import block_axis, over_blocks, take_blocks, unblock
 
 __all__ = ["SiteSpec", "Program", "Partials", "combine", "pad_blocks", "host_device"]
@@ -134,20 +135,6 @@ def combine(values, shared_grads, data_grads):
     return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
 
 
-def pad_blocks(x, plan: BlockPlan, axis: int = 0, xp=np):
-    """Rows of ``x`` on ``axis`` padded (copies of the last row) to whole blocks and
-    reshaped to ``(blocks, block_rows)`` there. ``xp`` is numpy or jax.numpy."""
-    n, rows = plan.n_rows, plan.block_rows
-    total = plan.n_blocks * rows
-    if total > n:
-        last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is jnp else x.take([n - 1], axis=axis)
-        shape = list(x.shape)
-        shape[axis] = total - n
-        x = xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
-    shape = x.shape[:axis] + (plan.n_blocks, rows) + x.shape[axis + 1:]
-    return x.reshape(shape)
-
-
 def _owned(a: np.ndarray) -> np.ndarray:
     """``a``, copied if it is a view of memory numpy does not own (a JAX array's
     buffer): a view would keep the user's array alive as long as the site, and the
@@ -177,7 +164,7 @@ class Program:
             self._known = known_function(self.split)
             self._unknown = unknown_function(self.split)
         else:  # nothing computed once: every block calls the user's function itself
-            self._unknown = _calls_fn(spec, resident, self.split.raw)
+            self._unknown = calls_fn(spec, resident, self.split.raw)
         plan = spec.plan
         valid = np.full(plan.n_blocks, plan.block_rows, np.int32)
         if plan.n_blocks:
@@ -187,7 +174,12 @@ class Program:
         #: (kind, blocks) -> times traced: a compiled shape is traced once.
         self.traces = Counter()
         self._lock = threading.Lock()
-        self._compiled: dict = {}
+        #: The compiled chunk programs, by :func:`.tasks.program_key` (read by tasks).
+        self.cache: dict = {}
+        #: The form and whether the last block is padded and run apart, as attributes
+        #: (read by every task).
+        self.is_looped = spec.form == "looped"
+        self.split_tail = bool(spec.tiles.tail)
 
     # -- data, once per site -----------------------------------------------------
 
@@ -315,8 +307,8 @@ class Program:
 
     def _graph_fn(self, diff_traced, diff_shared, set_axes):
         key = ("graph", diff_traced, diff_shared, set_axes)
-        if key in self._compiled:
-            return self._compiled[key]
+        if key in self.cache:
+            return self.cache[key]
         plan = self.spec.plan
         assert set_axes is None or self.spec.form == "batched", "looped sets run one at a time"
         axes_t = set_axes[0] if set_axes else (None,) * self.spec.n_traced
@@ -350,7 +342,7 @@ class Program:
 
         fn = jax.jit(graph)
         with self._lock:
-            return self._compiled.setdefault(key, fn)
+            return self.cache.setdefault(key, fn)
 
     # -- the host path: compiled functions of whole tiles ---------------------------
 
@@ -366,10 +358,10 @@ class Program:
         the blocks as in the graph path, or ``None`` (always for the looped form: see
         :func:`.batching.set_batching`).
         """
-        split = last and self.spec.tiles.tail
-        key = (blocks, diff_traced, diff_shared, in_axes, split)
-        if key in self._compiled:
-            return self._compiled[key]
+        split = last and self.split_tail
+        key = program_key(blocks, diff_traced, diff_shared, in_axes, split)
+        if key in self.cache:
+            return self.cache[key]
         assert in_axes is None or self.spec.form != "looped", "a looped site runs one set at a time"
         if split:
             def run(prepared, traced, shared, valid, tail):
@@ -385,34 +377,9 @@ class Program:
                                    diff_traced, diff_shared)
         fn = jax.jit(run)
         with self._lock:
-            return self._compiled.setdefault(key, fn)
-
-
-def _calls_fn(spec: SiteSpec, resident, raw):
-    """``f(raw, residuals, traced, shared) -> pointwise``: ``fn`` on one block, for a site
-    with nothing hoisted. Only the resident leaves ``fn`` reads are kept (``raw``); the
-    others are zeros of their shape, which ``fn`` never reads."""
-    block = spec.block_fn()
-
-    def unknown(raw_leaves, residuals, traced, shared):
-        leaves = [jnp.zeros(r.shape, r.dtype) for r in resident]
-        for k, x in zip(raw, raw_leaves):
-            leaves[k] = x
-        return block(leaves, traced, shared)
-
-    return unknown
+            return self.cache.setdefault(key, fn)
 
 
 def _merge(full, subset, mask):
     it = iter(subset)
     return tuple(next(it) if m else x for x, m in zip(full, mask))
-
-
-_HOST = []
-
-
-def host_device():
-    """The CPU device on which host-path chunks run (looked up once: it is on the hot path)."""
-    if not _HOST:
-        _HOST.append(jax.devices("cpu")[0])
-    return _HOST[0]

@@ -2,7 +2,7 @@
 
 This module owns :class:`Executor`, a resource-owning context manager that
 evaluates chunk tasks and counts what it did. Subclasses (serial and thread here;
-dask and device as plugins) override :meth:`Executor.map_chunks` and, where they
+dask and device as plugins) override :meth:`Executor.run_tasks` and, where they
 need to, :attr:`Executor.workers`, :meth:`Executor.graph_partials`,
 :meth:`Executor.bytes_per_call` and :meth:`Executor.release`. The host path
 itself lives in :mod:`parallel_backend.host`, the graph/host decision in
@@ -20,6 +20,7 @@ import numpy as np
 from .. import dispatch as _dispatch
 from ..counting import GraphCounter
 from ..site import SiteCache, SiteState
+from ..tasks import run_task
 
 __all__ = ["Executor", "DISPATCH_MODES"]
 
@@ -70,13 +71,16 @@ class Executor:
         """How many chunk tasks can run at once."""
         return 1
 
-    def map_chunks(self, state: SiteState, chunks, evaluation) -> list:
-        """Evaluate ``chunks`` of ``state``'s call site; results in chunk order.
+    def run_tasks(self, tasks) -> list:
+        """Run chunk tasks (:class:`~parallel_backend.tasks.Task`, plain values) and return
+        their results in task order (or more results, in block order, where an executor
+        splits a task at its own data's boundaries).
 
-        ``evaluation`` is a :class:`parallel_backend.host.Evaluation`; each chunk is a
-        run of whole tiles. The default runs them one after another on this thread.
+        The default runs them one after another on this thread with
+        :func:`~parallel_backend.tasks.run_task`; an executor with workers hands each to
+        one, as ``concurrent.futures`` would.
         """
-        return [state.run_chunk(c, evaluation) for c in chunks]
+        return [run_task(t) for t in tasks]
 
     def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
                        set_axes=None):

@@ -1,4 +1,4 @@
-"""``ThreadExecutor``: chunks on a thread pool in this process.
+"""``ThreadExecutor``: chunk tasks on a thread pool in this process.
 
 JAX releases the GIL while a compiled chunk runs, so threads give real
 parallelism without copying data: every worker reads the same resident arrays.
@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..blocks import cpu_count
 from ..errors import check_count
+from ..tasks import run_task
 from .base import Executor
 
 __all__ = ["ThreadExecutor"]
@@ -66,11 +67,11 @@ class ThreadExecutor(Executor):
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="parallel_backend")
             return self._pool
 
-    def map_chunks(self, state, chunks, evaluation):
-        if len(chunks) == 1 or self._workers == 1:
-            return [state.run_chunk(c, evaluation) for c in chunks]
+    def run_tasks(self, tasks) -> list:
+        if len(tasks) == 1 or self._workers == 1:
+            return [run_task(t) for t in tasks]
         pool = self._get_pool()
-        futures = [pool.submit(state.run_chunk, c, evaluation) for c in chunks]
+        futures = [pool.submit(run_task, t) for t in tasks]
         return [f.result() for f in futures]
 
     def map(self, func, items) -> list:

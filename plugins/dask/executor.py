@@ -181,8 +181,15 @@ class DaskExecutor(Executor):
         r.placement = self._placements.setdefault((r.data_token, len(r.shards)), r.placement)
         return r
 
-    def map_chunks(self, state, chunks, evaluation):
+    def run_tasks(self, tasks):
+        """Each task's blocks on the worker that holds them (a task that straddles two
+        workers' shares is cut at the boundary); the data is on the workers already, so
+        only the chunk and its parameters travel."""
         self.check_open()
+        if not tasks:
+            return []
+        state, evaluation = tasks[0].site, tasks[0].evaluation
+        chunks = [t.chunk for t in tasks]
         r = self._remote(state)
         try:
             return self._map_chunks(r, state, chunks, evaluation)

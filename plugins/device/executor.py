@@ -4,7 +4,7 @@ This module owns the executor and the two ways the devices run their blocks:
 
 * ``dispatch="host"`` (what ``"auto"`` picks when splitting pays): one host
   callback per evaluation; each device runs its own contiguous run of whole tiles
-  as a one-device program (the core's :func:`run_chunk`) on data that stays on that
+  as a one-device program (the core's :func:`run_task`) on data that stays on that
   device. The caller's program never spans several devices, so XLA compiles it
   exactly as it compiles it for ``SerialExecutor``: values, gradients and draws are
   the same bits.
@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import ThreadExecutor
 from parallel_backend.extend import (Executor, is_tracer, Resident, block_axis, chunks_within,
-                                     even_slots, pad_blocks, run_chunk, run_eagerly, unblock)
+                                     even_slots, pad_blocks, run_eagerly, run_task, Task,
+                                     unblock)
 
 from .layout import DeviceLayout, DeviceShare, Params, device_layout, spread_blocks
 from .notes import check_devices, route_notes
@@ -189,14 +190,18 @@ class DeviceExecutor(Executor):
                 self._keep("_shares", state, shares)
         return shares
 
-    def map_chunks(self, state, chunks, evaluation):
-        """Every device runs the chunks of its own tiles, on its own data, in order."""
+    def run_tasks(self, tasks):
+        """Every device runs the chunks of its own tiles, on its own data, in order (a
+        task that straddles two devices' shares is cut at the boundary)."""
+        if not tasks:
+            return []
+        state, program, evaluation = tasks[0].site, tasks[0].program, tasks[0].evaluation
         shares = self._host_shares(state)
         tiles = state.spec.tiles
-        per = max(1, max((c.count for c in chunks), default=1) // tiles.tile_blocks)
+        per = max(1, max(t.chunk.count for t in tasks) // tiles.tile_blocks)
 
         def run(share):
-            return [run_chunk(state.program, share.resident, c, evaluation)
+            return [run_task(Task(state, program, share.resident, c, evaluation))
                     for c in chunks_within(tiles, share.chunk, per)]
 
         # One thread per device, each running its device's chunks in order.

@@ -242,7 +242,7 @@ def client():
 def residents(dask_worker=None) -> dict:
     """Every prepared-data holder alive in a worker process (garbage collected first):
     what it holds is freed, not just forgotten."""
-    from parallel_backend.site import Resident
+    from parallel_backend.tasks import Resident
 
     gc.collect()
     alive = [o for o in gc.get_objects() if isinstance(o, Resident)]

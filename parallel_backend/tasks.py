@@ -1,0 +1,292 @@
+"""Chunk tasks: plain values an executor runs, and the one function that runs them.
+
+A :class:`Task` says which compiled program, which blocks (a :class:`Chunk`), on which
+prepared data (a :class:`Resident`) and with which parameters (an :class:`Evaluation`);
+:func:`run_task` evaluates it on the calling thread and returns a :class:`ChunkResult`
+(the per-block partials, plain arrays). An executor only runs tasks, here or in another
+process (where it rebuilds the program from the site's picklable spec and holds its own
+share of the data): it never calls back into the site or the host path that made them.
+This module imports jax, numpy, :mod:`.blocks` and :mod:`.errors` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .blocks import xla_threads
+from .errors import ChunkError
+
+__all__ = ["Task", "Evaluation", "ChunkResult", "Resident", "run_task", "run_chunk",
+           "pad_blocks", "program_key", "host_device", "POOL_SLOTS"]
+
+#: Chunk views (device arrays of a run of blocks) kept per holder, least recently used
+#: out first, and at most this many times the bytes of the data held.
+MAX_VIEWS = 64
+MAX_VIEW_COPIES = 2
+
+
+class Evaluation(NamedTuple):
+    """The parameters of one host evaluation, what every task of it reads.
+
+    Attributes
+    ----------
+    traced : tuple
+        Per traced data leaf: its blocks, ``(blocks, block_rows, *row)``, or
+        ``(batch, blocks, block_rows, *row)`` where ``in_axes`` marks it batched; the
+        blocks from ``first`` on.
+    shared : tuple
+        The shared leaves (a leading batch axis where ``in_axes`` says so).
+    diff_traced, diff_shared : tuple of bool
+        Which leaves get gradients.
+    in_axes : tuple or None
+        ``(traced_axes, shared_axes)`` (0 or None per leaf) under a batch of parameter
+        sets (``vmap``), else ``None``.
+    first : int
+        The block that ``traced``'s block axis starts at.
+    """
+
+    traced: tuple
+    shared: tuple
+    diff_traced: tuple
+    diff_shared: tuple
+    in_axes: Any
+    first: int = 0
+
+    def blocks(self, a: int, b: int) -> tuple:
+        """The traced leaves' blocks ``[a, b)`` (absolute block numbers)."""
+        lo, hi = a - self.first, b - self.first
+        if self.in_axes is None:
+            return tuple(x[lo:hi] for x in self.traced)
+        return tuple(x[:, lo:hi] if ax == 0 else x[lo:hi]
+                     for x, ax in zip(self.traced, self.in_axes[0]))
+
+    def restrict(self, a: int, b: int) -> Evaluation:
+        """The same evaluation with only blocks ``[a, b)`` of the traced leaves (what a
+        worker that evaluates only those needs to receive)."""
+        return self._replace(traced=self.blocks(a, b), first=a)
+
+
+class ChunkResult(NamedTuple):
+    """What one task returns.
+
+    Attributes
+    ----------
+    chunk : Chunk
+    values : array
+        ``(*batch, blocks)``.
+    shared_grads : tuple
+        Each ``(*batch, blocks, *leaf_shape)``.
+    data_grads : tuple
+        Each ``(*batch, blocks, block_rows, *row_shape)``.
+    seconds : float
+        Time the task computed.
+    """
+
+    chunk: Any
+    values: Any
+    shared_grads: tuple
+    data_grads: tuple
+    seconds: float
+
+
+class Task(NamedTuple):
+    """One chunk of one evaluation, as a value.
+
+    Attributes
+    ----------
+    site : SiteState
+        The call site (an executor that holds data for it elsewhere finds it by this).
+    program : Program
+        The site's block computations in this process.
+    resident : Resident
+        The prepared data here (at least the chunk's blocks).
+    chunk : Chunk
+        The blocks ``[chunk.first, chunk.first + chunk.count)``, a run of whole tiles.
+    evaluation : Evaluation
+        The parameters (every task of an evaluation shares one).
+    """
+
+    site: Any
+    program: Any
+    resident: Any
+    chunk: Any
+    evaluation: Evaluation
+
+
+class Resident:
+    """Prepared blocks ``[first, first + n)`` a worker holds, as numpy arrays, with device
+    copies of runs of them made once (a tile's, or the whole run's) and kept.
+
+    Parameters
+    ----------
+    arrays : tuple of numpy arrays
+        Each ``(n, block_rows, ...)``.
+    first : int
+        The first block held.
+    x64 : bool
+        Precision to place them in (without x64, float64 data would become float32).
+    device : jax.Device, optional
+        Where the views live; default: the host CPU device.
+    """
+
+    def __init__(self, arrays, first: int = 0, x64: bool = False, device=None):
+        self.arrays = tuple(arrays)
+        self.first = int(first)
+        self.n = int(self.arrays[0].shape[0]) if self.arrays else 0
+        self.x64 = bool(x64)
+        self.device = device if device is not None else host_device()
+        self._views: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def view(self, a: int, b: int) -> tuple:
+        """Device arrays of blocks ``[a, b)`` (absolute block numbers)."""
+        key = (a, b)
+        with self._lock:
+            view = self._views.get(key)
+            if view is not None:
+                self._views.move_to_end(key)
+                return view
+        lo, hi = a - self.first, b - self.first
+        with jax.enable_x64(self.x64):
+            view = tuple(jax.device_put(x[lo:hi], self.device) for x in self.arrays)
+        with self._lock:
+            self._views[key] = view
+            budget = MAX_VIEW_COPIES * max(self.nbytes, 1)
+            while len(self._views) > 1 and (len(self._views) > MAX_VIEWS
+                                            or self._view_bytes() > budget):
+                self._views.popitem(last=False)
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.arrays)
+
+    def _view_bytes(self) -> int:
+        return sum(a.nbytes for view in self._views.values() for a in view)
+
+    def everything(self) -> tuple:
+        """Device arrays of every block held."""
+        return self.view(self.first, self.first + self.n)
+
+    def delete(self) -> None:
+        """Free the device copies now."""
+        with self._lock:
+            views, self._views = list(self._views.values()), OrderedDict()
+        for view in views:
+            for arr in view:
+                try:
+                    arr.delete()
+                except Exception:  # noqa: BLE001 - already freed or aliased
+                    pass
+
+
+_HOST = []
+
+
+def host_device():
+    """The CPU device on which host-path chunks run (looked up once: it is on the hot path)."""
+    if not _HOST:
+        _HOST.append(jax.devices("cpu")[0])
+    return _HOST[0]
+
+
+def pad_blocks(x, plan, axis: int = 0, xp=np):
+    """Rows of ``x`` on ``axis`` padded (copies of the last row) to whole blocks and
+    reshaped to ``(blocks, block_rows)`` there. ``xp`` is numpy or jax.numpy."""
+    n, rows = plan.n_rows, plan.block_rows
+    n_blocks = plan.n_full + (1 if plan.tail_rows else 0)  # plan.n_blocks, inlined: hot
+    total = n_blocks * rows
+    if total > n:
+        last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is not np else x.take([n - 1],
+                                                                                      axis=axis)
+        shape = list(x.shape)
+        shape[axis] = total - n
+        x = xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
+    shape = x.shape[:axis] + (n_blocks, rows) + x.shape[axis + 1:]
+    return x.reshape(shape)
+
+
+def program_key(blocks: int, diff_traced, diff_shared, in_axes, split: bool) -> tuple:
+    """The key of a compiled chunk program in ``Program.cache``."""
+    return (blocks, diff_traced, diff_shared, in_axes, split)
+
+
+#: Chunk programs that may block a thread of XLA's CPU pool (``Program.blocks_pool``:
+#: batched LAPACK kernels) run at most this many at a time in this process, so that one
+#: pool thread always stays free to do the work they wait for; otherwise as many of them
+#: as the pool has threads wait for each other forever. Process-wide, as the pool is.
+POOL_SLOTS = max(1, xla_threads() - 1)
+_POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
+
+
+def run_task(task: Task) -> ChunkResult:
+    """Evaluate ``task`` on the calling thread, with one compiled call: one ``vmap`` over
+    its blocks in the batched form, one loop over them in the looped form (one per
+    parameter set under a batch of them)."""
+    program, resident, chunk, ev = task.program, task.resident, task.chunk, task.evaluation
+    spec = program.spec
+    gate = _POOL_GATE if program.blocks_pool else contextlib.nullcontext()
+    try:
+        # The same precision and device on every thread, so every thread hits the same
+        # compiled function (a pure_callback's thread has a default device set).
+        with gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
+            t0 = time.perf_counter()  # after the gate: the chunker wants compute time
+            a, b = chunk.first, chunk.first + chunk.count
+            last = b == len(program.valid)
+            split = last and program.split_tail
+            fn = program.cache.get(program_key(chunk.count, ev.diff_traced, ev.diff_shared,
+                                               None if program.is_looped else ev.in_axes, split))
+            if fn is None:
+                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared,
+                                      None if program.is_looped else ev.in_axes, last)
+            if program.is_looped:
+                out = _looped(fn, program, resident, chunk, ev)
+            elif split:  # the padded block apart (see Program.batched)
+                tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
+                out = fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
+                         program.valid[a:b - 1], tail)
+            else:
+                out = fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
+            out = jax.device_get(out)
+            seconds = time.perf_counter() - t0
+    except Exception as e:
+        raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
+    return ChunkResult(chunk, out.values, tuple(out.shared_grads), tuple(out.data_grads),
+                       seconds)
+
+
+def run_chunk(program, resident, chunk, evaluation: Evaluation) -> ChunkResult:
+    """:func:`run_task` of the task these make (for executors that hold their own data
+    and program, such as a dask worker)."""
+    return run_task(Task(None, program, resident, chunk, evaluation))
+
+
+def _looped(fn, program, resident, chunk, ev: Evaluation):
+    """A looped chunk: one call of the unbatched program, or one per parameter set of a
+    batch (``vmap``): a set's partials are then the bits of the unbatched program, as
+    in the graph path (see :func:`.batching.set_batching`)."""
+    a, b = chunk.first, chunk.first + chunk.count
+
+    def call(traced, shared):
+        return fn(resident.everything(), traced, shared, program.valid[a:b],
+                  np.int32(a - resident.first), np.int32(chunk.count))
+
+    traced = ev.blocks(a, b)
+    if ev.in_axes is None:
+        return call(traced, ev.shared)
+    axes_t, axes_s = ev.in_axes
+    k = next(x.shape[0] for x, ax in zip(traced + ev.shared, axes_t + axes_s) if ax == 0)
+
+    def member(leaves, axes, m):
+        return tuple(x[m] if ax == 0 else x for x, ax in zip(leaves, axes))
+
+    sets = [jax.device_get(call(member(traced, axes_t, m), member(ev.shared, axes_s, m)))
+            for m in range(k)]
+    return jax.tree.map(lambda *xs: np.stack(xs), *sets)
