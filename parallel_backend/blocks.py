@@ -342,10 +342,6 @@ class TilePlan(NamedTuple):
         stop = self.n_blocks if tile == self.n_tiles - 1 else first + self.tile_blocks
         return first, stop
 
-    def tile_sizes(self) -> tuple[int, ...]:
-        """The distinct numbers of blocks per tile (one or two)."""
-        return tuple(sorted({b - a for a, b in map(self.tile_range, range(self.n_tiles))}))
-
 
 def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None) -> TilePlan:
     """Group the blocks of ``plan`` into tiles.
