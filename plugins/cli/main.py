@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main", "profile_command"]
+__all__ = ["main", "profile_command", "NOT_CONVERGED"]
+
+#: The demo's exit status when a fit did not converge (it printed which, and why).
+NOT_CONVERGED = 2
 
 
 def _positive(name):
@@ -31,7 +34,8 @@ def main(argv=None) -> int:
                                      description="Parallel gradients for one NumPyro chain.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="fit a built-in model with plain NumPyro and with "
-                                       "parallel_backend and compare")
+                                       "parallel_backend and compare (exit status 2 when a "
+                                       "fit did not converge)")
     demo.add_argument("--model", choices=["hmm", "negbin"], default="hmm",
                       help="hmm: a 4-state Gaussian HMM over many sequences (default); "
                            "negbin: a negative-binomial regression")
@@ -77,11 +81,13 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(model=args.model, sequences=args.sequences, rows=args.rows,
-                 num_warmup=args.warmup, num_samples=args.samples, num_chains=args.chains,
-                 workers=args.workers, seed=args.seed, init=args.init,
-                 map_steps=args.map_steps,
-                 progress_bar=not args.no_progress and sys.stderr.isatty())
+        out = run_demo(model=args.model, sequences=args.sequences, rows=args.rows,
+                       num_warmup=args.warmup, num_samples=args.samples,
+                       num_chains=args.chains, workers=args.workers, seed=args.seed,
+                       init=args.init, map_steps=args.map_steps,
+                       progress_bar=not args.no_progress and sys.stderr.isatty())
+        if not out["converged"]:  # a script or CI running the demo sees it too
+            return NOT_CONVERGED
     return 0
 
 

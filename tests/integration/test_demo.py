@@ -149,12 +149,12 @@ def test_run_demo_hmm_converges_with_heuristic_start_and_long_warmup():
 
 def test_cli_demo_says_not_converged_for_a_too_short_run():
     """Two warmup iterations from the heuristic start: the command says so, for both fits,
-    and still prints the speedup, ESS and the rule."""
+    still prints the speedup, ESS and the rule, and exits with status 2."""
     proc = subprocess.run(
         [sys.executable, "-m", "parallel_backend.plugins.cli.main", "demo", "--sequences",
          "200", "--warmup", "2", "--samples", "20", "--init", "heuristic", "--workers", "2",
          "--no-progress"], check=False, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
     out = proc.stdout
     assert "speedup" in out and " ess" in out and "rule: converged =" in out
     assert "plain NumPyro: NOT CONVERGED: " in out and "parallel_backend: NOT CONVERGED: " in out
