@@ -24,10 +24,10 @@ import sys
 
 import jax
 import numpy as np
-from parallel_backend.plugins.numpyro.profile_timing import medians, time_interleaved, warm_up
 
 import parallel_backend as pb
 from parallel_backend.dispatch import LOOP, in_a_loop
+from parallel_backend.plugins.numpyro.profile_timing import medians, time_interleaved, warm_up
 
 from . import likelihoods, records
 from .likelihoods import LIKELIHOODS, MAKERS, parameter_sets

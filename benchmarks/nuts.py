@@ -74,6 +74,7 @@ def run_one(spec: dict, variant: str, seed: int) -> dict:
     ``None`` unless the chains are vectorized."""
     import jax
     from numpyro.infer import HMC, MCMC, NUTS
+
     from parallel_backend.plugins.numpyro.profile_timing import StampedKernel
 
     if variant == "plain_1core":

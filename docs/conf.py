@@ -20,7 +20,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "_ext"))
 
-import parallel_backend  # noqa: E402
+import parallel_backend
 
 project = "parallel_backend"
 author = "the parallel_backend developers"

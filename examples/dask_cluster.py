@@ -16,9 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from logistic_regression import make_data, pb_model  # noqa: E402
+from logistic_regression import make_data, pb_model
 
-import parallel_backend as pb  # noqa: E402
+import parallel_backend as pb
 
 
 def main(argv=None):

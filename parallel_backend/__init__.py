@@ -10,35 +10,43 @@ from __future__ import annotations
 import importlib
 
 from ._version import __version__
-from .errors import ChunkError
 from .blocks import BlockPlan, plan_blocks, tree_sum
-from .executors import (Executor, SerialExecutor, ThreadExecutor, get_default_executor,
-                        known_executors, make_executor, set_default_executor, use_executor)
+from .errors import ChunkError
+from .executors import (
+    Executor,
+    SerialExecutor,
+    ThreadExecutor,
+    get_default_executor,
+    known_executors,
+    make_executor,
+    set_default_executor,
+    use_executor,
+)
 from .reduce import reduce_sum
 
 __all__ = [
-    "__version__",
-    "reduce_sum",
-    "Executor",
+    "BlockPlan",
     "ChunkError",
-    "SerialExecutor",
-    "ThreadExecutor",
-    "use_executor",
-    "set_default_executor",
-    "get_default_executor",
-    "known_executors",
-    "make_executor",
     "DaskExecutor",
     "DeviceExecutor",
+    "Executor",
+    "SerialExecutor",
+    "ThreadExecutor",
+    "__version__",
     "factor",
-    "observe",
+    "get_default_executor",
+    "known_executors",
     "log_likelihood",
-    "sample",
-    "to_arviz",
-    "profile",
-    "BlockPlan",
+    "make_executor",
+    "observe",
     "plan_blocks",
+    "profile",
+    "reduce_sum",
+    "sample",
+    "set_default_executor",
+    "to_arviz",
     "tree_sum",
+    "use_executor",
 ]
 
 # Public names that live in plugins: name -> (module, attribute, extra to install).

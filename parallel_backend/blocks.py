@@ -25,8 +25,18 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["BlockPlan", "plan_blocks", "balance_blocks", "looped_blocks", "row_bytes", "tree_sum", "TilePlan",
-           "plan_tiles", "xla_threads", "cpu_count"]
+__all__ = [
+    "BlockPlan",
+    "TilePlan",
+    "balance_blocks",
+    "cpu_count",
+    "looped_blocks",
+    "plan_blocks",
+    "plan_tiles",
+    "row_bytes",
+    "tree_sum",
+    "xla_threads",
+]
 
 #: Bytes of data per block the default plan aims at: a block's working set then
 #: stays in cache, which measured faster than both small and very large blocks.

@@ -19,8 +19,15 @@ from typing import NamedTuple
 
 from .blocks import BlockPlan, TilePlan
 
-__all__ = ["Chunk", "fixed_chunks", "split_blocks", "split_tiles", "chunks_within",
-           "even_slots", "AdaptiveChunker"]
+__all__ = [
+    "AdaptiveChunker",
+    "Chunk",
+    "chunks_within",
+    "even_slots",
+    "fixed_chunks",
+    "split_blocks",
+    "split_tiles",
+]
 
 
 class Chunk(NamedTuple):

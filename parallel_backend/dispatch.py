@@ -29,9 +29,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["GRAPH", "HOST", "default_route", "Slots", "SlotSite", "carried",
-           "current_slot",
-           "choose", "Choice", "MARGIN", "in_a_loop", "LOOP"]
+__all__ = [
+    "GRAPH",
+    "HOST",
+    "LOOP",
+    "MARGIN",
+    "Choice",
+    "SlotSite",
+    "Slots",
+    "carried",
+    "choose",
+    "current_slot",
+    "default_route",
+    "in_a_loop",
+]
 
 #: Slot values: where a site runs.
 GRAPH, HOST = 0, 1

@@ -71,7 +71,7 @@ class ChunkError(RuntimeError):
         return type(self), (self.exc_type, self.message, self.rows, self.fn_name, self.executor)
 
     @classmethod
-    def wrap(cls, exc: BaseException, rows, fn_name: str, executor: str = "?") -> "ChunkError":
+    def wrap(cls, exc: BaseException, rows, fn_name: str, executor: str = "?") -> ChunkError:
         """A ChunkError describing ``exc`` (a ChunkError is re-labelled, not nested)."""
         if isinstance(exc, ChunkError):
             return cls(exc.exc_type, exc.message, exc.rows, exc.fn_name, executor)

@@ -36,16 +36,46 @@ from .errors import ChunkError, check_count
 from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
 from .internals import is_tracer
-from .site import SiteState, run_eagerly
 from .sets import block_axis, unblock
+from .site import SiteState, run_eagerly
 from .spec import Program, SiteSpec, host_device
 from .tasks import ChunkResult, Evaluation, Resident, Task, pad_blocks, run_chunk, run_task
 
 __all__ = [
-    "Executor", "SiteState", "SiteSpec", "Program", "Resident", "Evaluation", "ChunkResult",
-    "Chunk", "ChunkError", "BlockPlan", "TilePlan", "AdaptiveChunker",
-    "Task", "run_task", "run_chunk", "even_slots", "split_tiles", "chunks_within", "site_stats", "resolve_executor",
-    "host_device", "run_eagerly", "pad_blocks", "cpu_count", "xla_threads", "row_bytes",
-    "check_count", "GRAPH", "HOST", "Slots", "carried", "choose", "Choice",
-    "is_tracer", "block_axis", "unblock",
+    "GRAPH",
+    "HOST",
+    "AdaptiveChunker",
+    "BlockPlan",
+    "Choice",
+    "Chunk",
+    "ChunkError",
+    "ChunkResult",
+    "Evaluation",
+    "Executor",
+    "Program",
+    "Resident",
+    "SiteSpec",
+    "SiteState",
+    "Slots",
+    "Task",
+    "TilePlan",
+    "block_axis",
+    "carried",
+    "check_count",
+    "choose",
+    "chunks_within",
+    "cpu_count",
+    "even_slots",
+    "host_device",
+    "is_tracer",
+    "pad_blocks",
+    "resolve_executor",
+    "row_bytes",
+    "run_chunk",
+    "run_eagerly",
+    "run_task",
+    "site_stats",
+    "split_tiles",
+    "unblock",
+    "xla_threads",
 ]

@@ -22,7 +22,7 @@ import math
 
 from .internals import LAPACK, SCAN, jaxprs_in_params
 
-__all__ = ["FORMS", "detect_form", "blocks_pool", "scan_reduce_per_row"]
+__all__ = ["FORMS", "blocks_pool", "detect_form", "scan_reduce_per_row"]
 
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` run best one block at a time (see the module docstring).

@@ -26,11 +26,10 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from .internals import (CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun,
-                        jaxprs_in_params)
+from .internals import CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 from .internals import HOST_CODE as _HOST_CODE
 
-__all__ = ["Split", "split_known", "part", "known_function", "unknown_function", "calls_fn"]
+__all__ = ["Split", "calls_fn", "known_function", "part", "split_known", "unknown_function"]
 
 #: Primitives not worth a stored residual on their own: data movement and arithmetic
 #: that costs about as much as reading its result back from memory.

@@ -26,7 +26,7 @@ from .chunking import fixed_chunks
 from .errors import ChunkError
 from .tasks import Evaluation, Task, pad_blocks
 
-__all__ = ["evaluate", "assemble", "unbatch"]
+__all__ = ["assemble", "evaluate", "unbatch"]
 
 
 def assemble(program, results, batch: tuple, traced_shapes, shared_shapes):

@@ -15,8 +15,20 @@ from __future__ import annotations
 import jax
 import jax.extend.core as _jex
 
-__all__ = ["Literal", "Jaxpr", "ClosedJaxpr", "DebugInfo", "jaxpr_as_fun", "jaxprs_in_params", "is_tracer",
-           "SCAN", "WHILE", "CALLS", "HOST_CODE", "LAPACK"]
+__all__ = [
+    "CALLS",
+    "HOST_CODE",
+    "LAPACK",
+    "SCAN",
+    "WHILE",
+    "ClosedJaxpr",
+    "DebugInfo",
+    "Jaxpr",
+    "Literal",
+    "is_tracer",
+    "jaxpr_as_fun",
+    "jaxprs_in_params",
+]
 
 #: A constant operand of a jaxpr equation (``jax.extend.core``, unstable).
 Literal = _jex.Literal

@@ -19,15 +19,22 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import host
-from .internals import is_tracer
-from .blocks import (BlockPlan, TilePlan, balance_blocks, looped_blocks, plan_blocks, plan_tiles,
-                     row_bytes)
 from .batching import set_batching
+from .blocks import (
+    BlockPlan,
+    TilePlan,
+    balance_blocks,
+    looped_blocks,
+    plan_blocks,
+    plan_tiles,
+    row_bytes,
+)
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import detect_form, scan_reduce_per_row
 from .identity import site_key, snapshot
+from .internals import is_tracer
 from .second_order import blocked_sum, kept, value_and_grads_of
 from .site import SiteState
 from .spec import SiteSpec, combine

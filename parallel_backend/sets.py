@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-__all__ = ["over_blocks", "nest_sets", "block_axis", "take_blocks", "unblock"]
+__all__ = ["block_axis", "nest_sets", "over_blocks", "take_blocks", "unblock"]
 
 
 def block_axis(set_axis) -> int:

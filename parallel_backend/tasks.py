@@ -23,8 +23,18 @@ import numpy as np
 from .blocks import xla_threads
 from .errors import ChunkError
 
-__all__ = ["Task", "Evaluation", "ChunkResult", "Resident", "run_task", "run_chunk",
-           "pad_blocks", "program_key", "host_device", "POOL_SLOTS"]
+__all__ = [
+    "POOL_SLOTS",
+    "ChunkResult",
+    "Evaluation",
+    "Resident",
+    "Task",
+    "host_device",
+    "pad_blocks",
+    "program_key",
+    "run_chunk",
+    "run_task",
+]
 
 #: Chunk views (device arrays of a run of blocks) kept per holder, least recently used
 #: out first, and at most this many times the bytes of the data held.

@@ -14,8 +14,9 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 
 def _compilation_cache() -> None:
@@ -37,7 +38,7 @@ def _compilation_cache() -> None:
 
 _compilation_cache()
 
-import jax  # noqa: E402  (after the cache's environment is set)
+import jax  # after the cache's environment is set
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -17,8 +17,16 @@ from .base import Executor
 from .serial import SerialExecutor
 from .thread import ThreadExecutor
 
-__all__ = ["get_executor_class", "known_executors", "make_executor", "named_executor",
-           "resolve_executor", "use_executor", "set_default_executor", "get_default_executor"]
+__all__ = [
+    "get_default_executor",
+    "get_executor_class",
+    "known_executors",
+    "make_executor",
+    "named_executor",
+    "resolve_executor",
+    "set_default_executor",
+    "use_executor",
+]
 
 _BUILTIN = {"serial": SerialExecutor, "thread": ThreadExecutor}
 _GROUP = "parallel_backend.executors"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main", "profile_command", "NOT_CONVERGED"]
+__all__ = ["NOT_CONVERGED", "main", "profile_command"]
 
 #: The demo's exit status when a fit did not converge (it printed which, and why).
 NOT_CONVERGED = 2

@@ -74,7 +74,7 @@ def run(n_devices: int, modes=("auto", "host", "graph"),
                    for x, y in zip(leaves(a), leaves(b)))
 
     serial = pb.SerialExecutor()
-    vg = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
+    vg = lambda f: jax.value_and_grad(f, argnums=(0, 1))
     refs = {}
     chosen = {k: v for k, v in problems().items() if names is None or k in names}
     for name, p in chosen.items():

@@ -23,10 +23,10 @@ import pytest
 import xarray as xr
 
 import parallel_backend as pb
+from helpers import from_draws, loo_elpd, run_groups
 from parallel_backend.plugins.arviz import DATATREE, HMC_EXTRA_FIELDS, load, save
 from parallel_backend.plugins.numpyro import pointwise_log_likelihood
 from parallel_backend.plugins.sample import ConversionError
-from helpers import from_draws, loo_elpd, run_groups
 
 N, G, NZ = 240, 4, 15
 CHAINS, DRAWS = 2, 60

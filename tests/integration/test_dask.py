@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from numpyro.infer import MCMC, NUTS
 
-import parallel_backend as pb
 import helpers
+import parallel_backend as pb
 from helpers import regression_data, regression_loglik, regression_model
 
 distributed = pytest.importorskip("distributed")
-from distributed import Client, LocalCluster  # noqa: E402
+from distributed import Client, LocalCluster
 
 pytestmark = pytest.mark.dask
 
@@ -210,7 +210,6 @@ def test_dask_internals(client):
     """The private parts of distributed the executor relies on (``docs/layout.rst``): the
     client's connection pool, ``send_recv`` with ``op="run"``, and ``Worker.plugins``;
     a failure names the release that changed them."""
-    import asyncio
 
     from distributed import WorkerPlugin
 

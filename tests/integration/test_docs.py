@@ -59,7 +59,7 @@ def test_doctests_in_the_pages_pass(built):
     assert doctest.returncode == 0, doctest.stdout + doctest.stderr
     with open(tmp / "doctest" / "output.txt", encoding="utf-8") as fh:
         summary = fh.read()
-    ran = sum(int(n) for n in re.findall(r"^\s*(\d+) tests", summary, flags=re.M))
+    ran = sum(int(n) for n in re.findall(r"^\s*(\d+) tests", summary, flags=re.MULTILINE))
     assert ran >= 10, summary
     assert "0 failures in tests" in summary and "0 failures in setup code" in summary, summary
 

@@ -16,8 +16,16 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from numpyro import handlers
-from numpyro.infer import (MCMC, NUTS, SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO,
-                           init_to_median, init_to_sample)
+from numpyro.infer import (
+    MCMC,
+    NUTS,
+    SVI,
+    Predictive,
+    Trace_ELBO,
+    TraceMeanField_ELBO,
+    init_to_median,
+    init_to_sample,
+)
 from numpyro.infer.autoguide import AutoNormal
 from numpyro.infer.util import initialize_model, log_density
 

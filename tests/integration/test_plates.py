@@ -22,9 +22,9 @@ from numpyro import handlers
 from numpyro.infer import HMCECS, MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 from numpyro.infer.util import log_density
-from parallel_backend.plugins.numpyro import unobserved
 
 import parallel_backend as pb
+from parallel_backend.plugins.numpyro import unobserved
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # dask workers: by value
 

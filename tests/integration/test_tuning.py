@@ -9,12 +9,12 @@ broke once and only the demo noticed: these tests fail if any link of it breaks.
 import numpy as np
 import numpyro.distributions as dist
 import pytest
-from helpers import regression_data, regression_loglik, regression_priors
-from parallel_backend.plugins.sample import run as run_module
-from parallel_backend.plugins.sample import tuning
 
 import parallel_backend as pb
+from helpers import regression_data, regression_loglik, regression_priors
 from parallel_backend.extend import GRAPH, HOST, Choice
+from parallel_backend.plugins.sample import run as run_module
+from parallel_backend.plugins.sample import tuning
 
 N = 20_000  # two tiles of rows (plan_tiles): the host route can split the sites
 

@@ -5,8 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel_backend.blocks import (MIN_BLOCK_ROWS, MIN_BLOCKS, SMALL_BLOCKS, SMALL_SPLIT_ROWS,
-                                     TARGET_BLOCK_BYTES, BlockPlan, plan_blocks, tree_sum)
+from parallel_backend.blocks import (
+    MIN_BLOCK_ROWS,
+    MIN_BLOCKS,
+    SMALL_BLOCKS,
+    SMALL_SPLIT_ROWS,
+    TARGET_BLOCK_BYTES,
+    BlockPlan,
+    plan_blocks,
+    tree_sum,
+)
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
 
 # -- plan_blocks ---------------------------------------------------------------------------

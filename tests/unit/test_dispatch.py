@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
-from parallel_backend.dispatch import (GRAPH, HOST, MARGIN, Slots, carried, choose,
-                                       default_route)
+from parallel_backend.dispatch import GRAPH, HOST, MARGIN, Slots, carried, choose, default_route
 from parallel_backend.plugins.sample.tuning import ROUNDS, Tuner
 
 
@@ -135,8 +134,7 @@ def test_a_scan_that_traces_only_at_some_sizes_is_read_from_the_one_trace():
 
 
 def test_looped_blocks_are_even_and_never_a_power_of_two():
-    from parallel_backend.blocks import (LOOPED_MIN_BLOCKS, LOOPED_ROWS, YNN_REDUCE,
-                                         looped_blocks)
+    from parallel_backend.blocks import LOOPED_MIN_BLOCKS, LOOPED_ROWS, YNN_REDUCE, looped_blocks
 
     for n, per_row in itertools.product(
             (1, 100, 999, 3000, 4096, 16_384, 50_000, 65_536, 131_072, 200_003, 1_000_000),
