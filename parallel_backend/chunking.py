@@ -13,6 +13,7 @@ changes only speed, so the chunker is free to adapt while a sampler runs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from typing import NamedTuple
@@ -104,7 +105,7 @@ def even_slots(tiles, parts: int) -> list[Chunk]:
     parts = max(1, min(parts, n))
     edges = [round(i * n / parts) for i in range(parts + 1)]
     return [Chunk(tiles.tile_range(a)[0], tiles.tile_range(b - 1)[1] - tiles.tile_range(a)[0])
-            for a, b in zip(edges, edges[1:])]
+            for a, b in itertools.pairwise(edges)]
 
 
 def fixed_chunks(plan: BlockPlan, grainsize: int, tiles: TilePlan | None = None) -> list[Chunk]:
@@ -122,7 +123,7 @@ def fixed_chunks(plan: BlockPlan, grainsize: int, tiles: TilePlan | None = None)
 
 
 def _pow2_floor(x: float) -> int:
-    return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
+    return 1 << max(0, math.floor(math.log2(max(x, 1.0))))
 
 
 class AdaptiveChunker:

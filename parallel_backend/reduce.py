@@ -343,7 +343,7 @@ def _leading_size(paths, leaves) -> int:
 
 def _cell_ok(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # an empty cell raises
     except ValueError:
         return False
     return True

@@ -256,7 +256,8 @@ class Program:
             return run(*tail, True)  # gp, 200,000 groups): a cond on them waits, a barrier not
 
         done = out.values.ravel()[-1] if self.blocks_pool else None
-        last = lax.cond(done == done, last, last) if self.blocks_pool else last()
+        # ``done == done`` on purpose (PLR0124): a predicate that waits for ``out``
+        last = lax.cond(done == done, last, last) if self.blocks_pool else last()  # noqa: PLR0124
         axis = 0 if set_axes is None else 1
         return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
 

@@ -191,10 +191,8 @@ class Resident:
             views, self._views = list(self._views.values()), OrderedDict()
         for view in views:
             for arr in view:
-                try:
+                with contextlib.suppress(Exception):  # already freed or aliased
                     arr.delete()
-                except Exception:  # noqa: BLE001 - already freed or aliased
-                    pass
 
 
 _HOST = []

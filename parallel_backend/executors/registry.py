@@ -90,10 +90,8 @@ def _close_named() -> None:
         made = list(_named.values())
         _named.clear()
     for ex in made:
-        try:
+        with contextlib.suppress(Exception):  # at exit, a failing close must not hide others
             ex.close()
-        except Exception:  # noqa: BLE001 - at exit, a failing close must not hide others
-            pass
 
 
 _default: Executor | None = None

@@ -33,11 +33,11 @@ from .laplace import Start, chain_inits, laplace_start, precision_note
 __all__ = ["MODELS", "make_hmm_data", "make_negbin_data", "run_demo"]
 
 #: The HMM's true parameters (states ordered by their means).
-HMM_TRUTH = dict(trans=np.array([[0.85, 0.05, 0.05, 0.05],
-                                 [0.05, 0.85, 0.05, 0.05],
-                                 [0.05, 0.05, 0.85, 0.05],
-                                 [0.05, 0.05, 0.05, 0.85]]),
-                 mu=np.array([-3.0, -1.0, 1.0, 3.0]), sigma=1.0)
+HMM_TRUTH = {"trans": np.array([[0.85, 0.05, 0.05, 0.05],
+                                [0.05, 0.85, 0.05, 0.05],
+                                [0.05, 0.05, 0.85, 0.05],
+                                [0.05, 0.05, 0.05, 0.85]]),
+             "mu": np.array([-3.0, -1.0, 1.0, 3.0]), "sigma": 1.0}
 
 
 # -- the HMM -----------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def make_negbin_data(n_rows: int = 200_000, n_features: int = 4, seed: int = 0, 
     alpha, phi = 1.0, 5.0
     mu = np.exp(alpha + X @ beta)
     y = rng.negative_binomial(phi, phi / (phi + mu)).astype(dtype)
-    return {"X": X, "y": y}, dict(alpha=alpha, beta=beta, phi=phi)
+    return {"X": X, "y": y}, {"alpha": alpha, "beta": beta, "phi": phi}
 
 
 def negbin_dist(X, alpha, beta, phi):
@@ -358,9 +358,9 @@ def run_demo(model: str = "hmm", sequences: int = 3000, rows: int = 200_000,
     print_fn(f"parallel_backend: {verdict(judged_pb)}")
     means_plain = {k: np.asarray(plain.posterior[k].mean(("chain", "draw"))) for k in names}
     means_pb = {k: np.asarray(fit.posterior[k].mean(("chain", "draw"))) for k in names}
-    return dict(seconds_plain=t_plain, seconds_parallel=t_pb, speedup=speedup,
-                ms_per_gradient_plain=ms_plain * 1e3, ms_per_gradient_parallel=ms_pb * 1e3,
-                stats=stats, means_plain=means_plain, means_parallel=means_pb, truth=truth,
-                diagnosis_plain=judged_plain, diagnosis_parallel=judged_pb,
-                converged=judged_plain.converged and judged_pb.converged, start=start,
-                start_seconds=start.seconds if start is not None else 0.0)
+    return {"seconds_plain": t_plain, "seconds_parallel": t_pb, "speedup": speedup,
+            "ms_per_gradient_plain": ms_plain * 1e3, "ms_per_gradient_parallel": ms_pb * 1e3,
+            "stats": stats, "means_plain": means_plain, "means_parallel": means_pb,
+            "truth": truth, "diagnosis_plain": judged_plain, "diagnosis_parallel": judged_pb,
+            "converged": judged_plain.converged and judged_pb.converged, "start": start,
+            "start_seconds": start.seconds if start is not None else 0.0}

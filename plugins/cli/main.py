@@ -118,8 +118,8 @@ def profile_command(script=None, n_rows: int = 200_000, chains: int = 1):
         raise FileNotFoundError(f"profile: no such script {script!r}")
     namespace = runpy.run_path(script, run_name="__parallel_backend_profile__")
     model = namespace.get("model")
-    if not callable(model):
-        raise ValueError(f"profile: {script} must define a callable `model` (a NumPyro model "
+    if not callable(model):  # or missing: a bad script, not a bad type (TRY004)
+        raise ValueError(f"profile: {script} must define a callable `model` (a NumPyro model "  # noqa: TRY004
                          "with pb.factor sites), and `model_args` / `model_kwargs` for its "
                          "arguments")
     args = namespace.get("model_args", ())
