@@ -24,7 +24,7 @@ from .identity import frozen
 from .spec import Program, SiteSpec, host_device
 from .tasks import Resident
 
-__all__ = ["SiteState", "SiteCache", "Resident", "run_eagerly", "MAX_SITES", "MAX_SITE_BYTES"]
+__all__ = ["MAX_SITES", "MAX_SITE_BYTES", "Resident", "SiteCache", "SiteState", "run_eagerly"]
 
 #: An executor keeps at most this many sites, and prepared data of at most this many
 #: bytes (the most recent site always stays), least recently used out first.
@@ -72,6 +72,11 @@ class SiteState:
         self._prepared = None
         #: ``(program, resident)`` once :meth:`prepare_host` made them, else ``None``.
         self.host = None
+        #: What the executor placed for this site elsewhere (device buffers, what it
+        #: sent to workers), by name; dropped with the site (:meth:`release`).
+        self.placed: dict = {}
+        #: The counter compiled into this site's graph evaluations, if any.
+        self.counter = None
         #: Gradient evaluations in the graph that pb.sample counted: (calls, batches).
         self.sampled = [0, 0]
 
@@ -130,10 +135,12 @@ class SiteState:
         return self.host
 
     def release(self) -> None:
-        """Free device copies (the state stays usable: they are made again on demand)."""
+        """Free this process's device copies and drop what the executor placed (the state
+        stays usable: everything is made again on demand)."""
         host, self.host = self.host, None
         if host is not None:
             host[1].delete()
+        self.placed = {}
 
     def __repr__(self) -> str:
         p = self.spec.plan
@@ -186,9 +193,9 @@ class SiteCache:
         return len(self._states)
 
     def _drop(self, state) -> None:
-        state.release()
-        if self._on_forget is not None:
+        if self._on_forget is not None:  # first: the executor reads what the site holds
             self._on_forget(state)
+        state.release()
 
     def clear(self) -> None:
         with self._lock:

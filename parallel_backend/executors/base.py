@@ -58,7 +58,6 @@ class Executor:
         self.count_calls = bool(count_calls)
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
-        self._counters: dict = {}  # SiteState (by identity) -> GraphCounter
         self._closed = False
         self._created = time.time()
         self._counts = dict(calls=0, graph_calls=0, host_calls=0, chunks=0, rows=0,
@@ -151,10 +150,9 @@ class Executor:
     def graph_counter(self, state: SiteState) -> GraphCounter:
         """The counter compiled into ``state``'s graph evaluations (made on first use)."""
         with self._lock:
-            counter = self._counters.get(state)
-            if counter is None:
-                counter = self._counters[state] = GraphCounter()
-            return counter
+            if state.counter is None:
+                state.counter = GraphCounter()
+            return state.counter
 
     def count_sampled(self, state: SiteState, calls: int, batches: int) -> None:
         """Add ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
@@ -171,7 +169,7 @@ class Executor:
 
     def _graph_calls(self, state: SiteState) -> tuple[int, int]:
         with self._lock:
-            counter = self._counters.get(state)
+            counter = state.counter
             calls, batches = state.sampled
         if counter is not None:
             c, b = counter.counts()
@@ -183,7 +181,7 @@ class Executor:
         something per site (worker-resident data, device buffers) drop it here too."""
         calls, batches = self._graph_calls(state)
         with self._lock:
-            self._counters.pop(state, None)
+            state.counter, state.sampled = None, [0, 0]
         if calls:
             self.count(**self.graph_counts(state, calls, batches))
 
@@ -239,8 +237,6 @@ class Executor:
             self._closed = True
             self.release()
             self._states.clear()
-            with self._lock:
-                self._counters = {}
 
     def __enter__(self):
         return self

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +30,19 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import ThreadExecutor
-from parallel_backend.extend import (Executor, is_tracer, Resident, block_axis, chunks_within,
-                                     even_slots, pad_blocks, run_eagerly, run_task, Task,
-                                     unblock)
+from parallel_backend.extend import (
+    Executor,
+    Resident,
+    Task,
+    block_axis,
+    chunks_within,
+    even_slots,
+    is_tracer,
+    pad_blocks,
+    run_eagerly,
+    run_task,
+    unblock,
+)
 
 from .layout import DeviceLayout, DeviceShare, Params, device_layout, spread_blocks
 from .notes import check_devices, route_notes
@@ -119,14 +128,11 @@ class DeviceExecutor(Executor):
         self._mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
         self._sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
         self._place_lock = threading.Lock()
-        # Per SiteState (by identity), while the executor caches the site:
-        self._placed: dict = {}  # -> (layout, data on the devices, valid): graph
-        self._shares: dict = {}  # -> [DeviceShare] per device: host
-        self._params: dict = {}  # -> Params, as traced: graph
-        # Sites evicted from the cache, and what those a compiled program still evaluates
-        # placed again ({"_shares": ..., ...}), kept only as long as the state lives.
-        self._retired = weakref.WeakSet()
-        self._revived = weakref.WeakKeyDictionary()
+        # What this executor places for a site lives on the site (``state.placed``:
+        # "device.placed", the graph path's layout, data and valid rows; "device.shares",
+        # the host path's per-device data; "device.params", the parameters' sizes as
+        # traced) and goes with it: dropped when the cache evicts the site, and kept no
+        # longer than the site where a compiled program still evaluates it.
         self._threads = ThreadExecutor(len(devices))  # starts the devices' chunks
         if notes:  # one warning, however many reasons
             warnings.warn("DeviceExecutor: " + " ".join(notes), UserWarning, stacklevel=2)
@@ -159,27 +165,19 @@ class DeviceExecutor(Executor):
     # -- the host path: one-device programs, one per device ------------------------
 
     def _kept(self, name: str, state):
-        """``state``'s entry in the table ``name`` (``"_placed"``, ``"_shares"``,
-        ``"_params"``), or ``None``. Call with ``_place_lock`` held."""
-        if state in self._retired:
-            return self._revived.get(state, {}).get(name)
-        return getattr(self, name).get(state)
+        """What this executor placed for ``state`` under ``name`` (``"shares"``,
+        ``"placed"``, ``"params"``), or ``None``. Call with ``_place_lock`` held."""
+        return state.placed.get("device." + name)
 
     def _keep(self, name: str, state, value):
-        """Keep ``value`` as ``state``'s entry in ``name``: in the table while the cache
-        holds the site; for an evicted site that a compiled program still evaluates, only
-        as long as the state lives (so the cache bounds what stays placed). Call with
-        ``_place_lock`` held."""
-        if state in self._retired:
-            self._revived.setdefault(state, {})[name] = value
-        else:
-            getattr(self, name)[state] = value
+        """Keep ``value`` on ``state`` under ``name``. Call with ``_place_lock`` held."""
+        state.placed["device." + name] = value
         return value
 
     def _host_shares(self, state) -> list:
         """Each device's run of whole tiles and its data there, placed once."""
         with self._place_lock:
-            shares = self._kept("_shares", state)
+            shares = self._kept("shares", state)
             if shares is None:
                 prepared = state.prepared()
                 shares = []
@@ -187,7 +185,7 @@ class DeviceExecutor(Executor):
                     a, b = chunk.first, chunk.first + chunk.count
                     resident = Resident(tuple(x[a:b] for x in prepared), a, state.spec.x64, dev)
                     shares.append(DeviceShare(dev, chunk, resident))
-                self._keep("_shares", state, shares)
+                self._keep("shares", state, shares)
         return shares
 
     def run_tasks(self, tasks):
@@ -223,7 +221,7 @@ class DeviceExecutor(Executor):
     def _place(self, state):
         """Lay out and place ``state``'s prepared data on the devices, once."""
         with self._place_lock:
-            placed = self._kept("_placed", state)
+            placed = self._kept("placed", state)
             if placed is None:
                 layout = self.layout(state)
                 prepared = state.prepared()
@@ -238,7 +236,7 @@ class DeviceExecutor(Executor):
                 # Called while the caller's function is traced: place the data now, not
                 # as an operation of that trace.
                 arrays = run_eagerly(put)
-                placed = self._keep("_placed", state, (layout, arrays[:-1], arrays[-1]))
+                placed = self._keep("placed", state, (layout, arrays[:-1], arrays[-1]))
         return placed
 
     def graph_partials(self, state, traced, shared, diff_traced, diff_shared, set_axes=None):
@@ -254,7 +252,7 @@ class DeviceExecutor(Executor):
         traced, shared = tuple(traced), tuple(shared)
         mapped = self._mapped(state) and not _in_place()
         with self._place_lock:
-            self._keep("_params", state, Params(sum(_nbytes(s) for s in shared),
+            self._keep("params", state, Params(sum(_nbytes(s) for s in shared),
                                                  sum(_nbytes(t) for t in traced),
                                                  self.layout(state).active if mapped else 1))
         if not mapped:
@@ -309,7 +307,7 @@ class DeviceExecutor(Executor):
     def graph_counts(self, state, calls: int, batches: int) -> dict:
         """Graph evaluations: a block run per busy device each (one in place)."""
         with self._place_lock:
-            info = self._kept("_params", state) or Params(0, 0, 1)
+            info = self._kept("params", state) or Params(0, 0, 1)
         out = super().graph_counts(state, calls, batches)
         out["chunks"] = calls * info.devices
         if info.devices > 1:
@@ -340,7 +338,7 @@ class DeviceExecutor(Executor):
                 entry["chunk_rows"] = [min(lay.local_rows, state.spec.plan.n_rows)]
                 entry["devices"] = lay.active
             elif state.decision == "host":
-                shares = self._shares.get(state, ())
+                shares = state.placed.get("device.shares", ())
                 entry["devices"] = len(shares)
                 if shares:  # a chunk never spans two devices' data
                     most = max(s.chunk.count for s in shares) * state.spec.plan.block_rows
@@ -351,30 +349,20 @@ class DeviceExecutor(Executor):
         out["devices"] = [str(d) for d in self._devices]
         return out
 
-    def _retire(self, state) -> None:
-        super()._retire(state)  # reads the site's Params
-        with self._place_lock:
-            # Dropped, not deleted: an evaluation still running, or a compiled program
-            # that holds the data as a constant, keeps its own references, and the buffers
-            # are freed with the last of them.
-            for held in (self._placed, self._shares, self._params):
-                held.pop(state, None)
-            self._retired.add(state)
-
     def release(self) -> None:
         self._threads.close()
-        with self._place_lock:
-            kept = [{"_placed": self._placed.get(s), "_shares": self._shares.get(s)}
-                    for s in {*self._placed, *self._shares}]
-            kept += [dict(v) for v in self._revived.values()]
-            self._placed, self._shares, self._params = {}, {}, {}
-            self._revived.clear()
-        for entry in kept:
-            if entry.get("_placed") is not None:
-                _, arrays, valid = entry["_placed"]
+        # The buffers of the sites still cached are freed now; an evicted site's go
+        # with the site (an evaluation still running, or a compiled program that holds
+        # them as constants, keeps its own references until then).
+        for state in self.sites():
+            with self._place_lock:
+                placed = state.placed.pop("device.placed", None)
+                shares = state.placed.pop("device.shares", None) or ()
+            if placed is not None:
+                _, arrays, valid = placed
                 for arr in (*arrays, valid):
                     arr.delete()
-            for share in entry.get("_shares") or ():
+            for share in shares:
                 share.resident.delete()
 
     def __repr__(self) -> str:
