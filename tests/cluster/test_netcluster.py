@@ -174,3 +174,33 @@ def test_worker_on_another_cpu_is_named(netcluster):
     texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert any(late.address in t and "SSE4_2" in t for t in texts), texts
     assert not any(like.address in t for t in texts), texts
+
+
+def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
+    """The scheduler's host unreachable for 3 s (its cable out) while NUTS runs: the executor
+    messages the workers directly and asks the scheduler only after a failure, so the run
+    goes on through the outage and draws SerialExecutor's draws."""
+    data = make_data(6000)
+    ref = run_nuts(pb.SerialExecutor(), data, warmup=30, samples=30)
+    cluster = netcluster({"threads": 1}, {"threads": 2, "rtt_ms": 1.0})
+    with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
+        seen = {}
+
+        def cut_when_running():
+            deadline = time.monotonic() + 240
+            while ex.stats()["calls"] < 20 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["before"] = ex.stats()["calls"]
+            cluster.cut("s", 3.0)
+            seen["after"] = ex.stats()["calls"]
+
+        t = threading.Thread(target=cut_when_running, daemon=True)
+        t.start()
+        got = run_nuts(ex, data, warmup=30, samples=30)
+        t.join(10)
+        end = ex.stats()["calls"]
+    assert "after" in seen, "the cut never happened"
+    assert seen["after"] > seen["before"], f"no evaluation during the outage: {seen}"
+    assert end > seen["after"], f"the run ended before the cable was back: {seen}, {end}"
+    for k in ref:
+        assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
