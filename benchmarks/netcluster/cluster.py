@@ -44,6 +44,7 @@ class Host:
     threads: int = 0  # 0: the scheduler
     rtt_ms: float = 0.0
     rate: str | None = None
+    xla_flags: str = ""  # more XLA flags for this host's processes
     procs: list = field(default_factory=list)
     dead: bool = False
 
@@ -90,7 +91,8 @@ class NetCluster:
     ----------
     workers : list of dict
         One per worker: ``threads`` (default 1), ``rtt_ms`` (round trip added to its link,
-        default 0), ``rate`` (``tc`` rate such as ``"100mbit"``, default none).
+        default 0), ``rate`` (``tc`` rate such as ``"100mbit"``, default none),
+        ``xla_flags`` (see :meth:`add_worker`).
     scheduler_rtt_ms, scheduler_rate
         The scheduler host's link.
     python : str
@@ -176,8 +178,9 @@ class NetCluster:
         return host
 
     def _spawn(self, host: Host, argv: list, tag: str) -> subprocess.Popen:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + XLA_FLAGS).strip())
+        flags = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""), XLA_FLAGS, host.xla_flags)
+                         if x)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags)
         log = open(self.logs / f"{host.name}-{tag}.log", "ab")  # noqa: SIM115
         with log:
             p = subprocess.Popen(
@@ -215,10 +218,13 @@ class NetCluster:
         return self.scheduler.address
 
     def add_worker(self, threads: int = 1, rtt_ms: float = 0.0, rate: str | None = None,
-                   wait: bool = True) -> Host:
-        """Start one more worker host; returns it (``host.address`` is the worker's)."""
+                   xla_flags: str = "", wait: bool = True) -> Host:
+        """Start one more worker host; returns it (``host.address`` is the worker's).
+        ``xla_flags`` makes it another kind of CPU as XLA sees it, e.g.
+        ``"--xla_cpu_max_isa=AVX2"`` (an older instruction set than this machine's)."""
         index = sum(1 for h in self.hosts.values() if h.threads) + 1  # the dead count too
         host = self._host(f"w{index}", int(threads), rtt_ms, rate)
+        host.xla_flags = xla_flags
         self._proxy(host)
         self._spawn(host, [self._dask(), "worker", self.address, "--nthreads", str(threads),
                            "--no-nanny", "--no-dashboard", "--name", host.name,

@@ -38,9 +38,9 @@ def unavailable() -> str | None:
     """Why namespaces cannot be made here (not root, no iproute2), or ``None``."""
     if os.geteuid() != 0:
         return "network namespaces need root (this process is not root)"
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("timeout", "coreutils")):
         if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
+            return f"`{tool}` ({package}) is not installed"
     probe = f"{PREFIX}-probe"
     made = run("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:

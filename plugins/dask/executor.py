@@ -36,7 +36,7 @@ from distributed.comm.core import CommClosedError
 
 from parallel_backend.extend import ChunkError, Executor, chunks_within
 
-from . import cluster
+from . import cluster, probe
 from . import worker as remote
 from .internals import connection_pool, request
 from .placement import RemoteSite, assign, forget_revived
@@ -130,6 +130,7 @@ class DaskExecutor(Executor):
         try:
             nthreads = cluster.wait_for_workers(self._client, self.timeout)
             cluster.register(self._client, remote.WorkerState(self._plugin), self._plugin)
+            self._probe = probe.watch(self._client, self._plugin)  # same bits everywhere?
             self._live = cluster.Liveness(self._client, self.timeout, nthreads)
             # Looked up once: it is a scheduler round trip, and repr/stats show it.
             services = self._client.scheduler_info().get("services", {})
@@ -374,6 +375,7 @@ class DaskExecutor(Executor):
         return out
 
     def release(self) -> None:
+        probe.unwatch(self._client, self._probe)
         try:
             if self._client.status == "running":
                 self._client.unregister_worker_plugin(self._plugin)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 
 import cloudpickle
 import jax
@@ -143,3 +144,63 @@ def test_unreachable_scheduler_fails_fast_naming_it(netcluster):
         v = pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0, executor=ex, block_rows=500)
         assert float(v) == float(pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0,
                                                block_rows=500))
+
+
+def _wait_probed(ex, address: str, seconds: float = 90.0) -> None:
+    deadline = time.monotonic() + seconds
+    while address not in ex._probe.workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert address in ex._probe.workers, f"{address} never reported its probe"
+
+
+def test_worker_on_another_cpu_is_named(netcluster):
+    """XLA's target capped at AVX2 on a host of this AVX-512 machine makes it another CPU
+    as far as the bits go: named in a warning when the executor is made, and a host that
+    joins later with another target is found by its probe at join; a like one is not."""
+    cluster = netcluster({"threads": 1}, {"threads": 1, "xla_flags": "--xla_cpu_max_isa=AVX2"})
+    other = cluster.workers()[1].address
+    with pytest.warns(RuntimeWarning, match=rf"1 worker\(s\) compute other bits.*"
+                                            rf"{other.replace('.', r'[.]')}.*max_isa=AVX2"):
+        ex = pb.DaskExecutor(address=cluster.address, timeout=30)
+    with ex, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert set(ex._probe.differ) == {other}
+        late = cluster.add_worker(threads=1, xla_flags="--xla_cpu_max_isa=SSE4_2")
+        like = cluster.add_worker(threads=1)
+        _wait_probed(ex, late.address)
+        _wait_probed(ex, like.address)
+        assert set(ex._probe.differ) == {other, late.address}
+    # The joiner's warning comes from the client's event thread, when its probe arrives.
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any(late.address in t and "SSE4_2" in t for t in texts), texts
+    assert not any(like.address in t for t in texts), texts
+
+
+def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
+    """The scheduler's host unreachable for 3 s (its cable out) while NUTS runs: the executor
+    messages the workers directly and asks the scheduler only after a failure, so the run
+    goes on through the outage and draws SerialExecutor's draws."""
+    data = make_data(6000)
+    ref = run_nuts(pb.SerialExecutor(), data, warmup=30, samples=30)
+    cluster = netcluster({"threads": 1}, {"threads": 2, "rtt_ms": 1.0})
+    with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
+        seen = {}
+
+        def cut_when_running():
+            deadline = time.monotonic() + 240
+            while ex.stats()["calls"] < 20 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["before"] = ex.stats()["calls"]
+            cluster.cut("s", 3.0)
+            seen["after"] = ex.stats()["calls"]
+
+        t = threading.Thread(target=cut_when_running, daemon=True)
+        t.start()
+        got = run_nuts(ex, data, warmup=30, samples=30)
+        t.join(10)
+        end = ex.stats()["calls"]
+    assert "after" in seen, "the cut never happened"
+    assert seen["after"] > seen["before"], f"no evaluation during the outage: {seen}"
+    assert end > seen["after"], f"the run ended before the cable was back: {seen}, {end}"
+    for k in ref:
+        assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
