@@ -97,7 +97,7 @@ def cli_cluster(folder, workers: int = 2):
 
     sched_file = os.path.join(folder, f"scheduler-{time.monotonic_ns()}.json")
     dask = [os.path.join(os.path.dirname(sys.executable), "dask")]
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0",
                                       "--no-dashboard", "--scheduler-file", sched_file], **quiet)]
     try:

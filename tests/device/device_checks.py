@@ -79,11 +79,11 @@ def run(n_devices: int, modes=("auto", "host", "graph"),
     chosen = {k: v for k, v in problems().items() if names is None or k in names}
     for name, p in chosen.items():
         bt = p.batch(BATCH)
-        refs[name] = dict(
-            ref=jax.jit(vg(p.split(serial, block_rows=BLOCK_ROWS)))(*p.args),
-            exact=jax.jit(vg(p.unsplit()))(*p.args),
-            ref_v=jax.jit(jax.vmap(vg(p.split(serial, block_rows=BLOCK_ROWS))))(*bt),
-            exact_v=jax.jit(jax.vmap(vg(p.unsplit())))(*bt))
+        refs[name] = {
+            "ref": jax.jit(vg(p.split(serial, block_rows=BLOCK_ROWS)))(*p.args),
+            "exact": jax.jit(vg(p.unsplit()))(*p.args),
+            "ref_v": jax.jit(jax.vmap(vg(p.split(serial, block_rows=BLOCK_ROWS))))(*bt),
+            "exact_v": jax.jit(jax.vmap(vg(p.unsplit())))(*bt)}
     for mode in modes:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # several devices: no warning expected
@@ -96,12 +96,13 @@ def run(n_devices: int, modes=("auto", "host", "graph"),
             f = p.split(dev, block_rows=BLOCK_ROWS)
             got = jax.jit(vg(f))(*p.args)
             got_v = jax.jit(jax.vmap(vg(f)))(*bt)
-            out[name] = dict(identical=identical(got, r["ref"]), rel_err=max_rel(got, r["exact"]),
-                             vmap_identical=identical(got_v, r["ref_v"]),
-                             vmap_rel_err=max_rel(got_v, r["exact_v"]),
-                             vmap_rel_to_serial=max_rel(got_v, r["ref_v"]),
-                             eager_identical=identical(vg(f)(*p.args), r["ref"])
-                             if name == "random_effects" else None)
+            out[name] = {"identical": identical(got, r["ref"]),
+                         "rel_err": max_rel(got, r["exact"]),
+                         "vmap_identical": identical(got_v, r["ref_v"]),
+                         "vmap_rel_err": max_rel(got_v, r["exact_v"]),
+                         "vmap_rel_to_serial": max_rel(got_v, r["ref_v"]),
+                         "eager_identical": identical(vg(f)(*p.args), r["ref"])
+                         if name == "random_effects" else None}
         st = dev.stats()
         out["stats"] = {k: v for k, v in st.items() if k != "sites"}
         out["site_dispatch"] = sorted({s["dispatch"] for s in st["sites"]})
@@ -158,10 +159,10 @@ def nuts(pb, jax, jnp, np, n_devices, mode, which):
         if label not in _SERIAL_DRAWS:  # the same for every mode: drawn once
             _SERIAL_DRAWS[label] = draws(pb.SerialExecutor(), chains, method)
         ref = _SERIAL_DRAWS[label]
-        out[label] = dict(identical=all(np.array_equal(got[k], ref[k]) for k in ref),
-                          max_abs_diff=max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref),
-                          calls=st["calls"], host_calls=st["host_calls"],
-                          mean_beta=float(got["beta"].mean()))
+        out[label] = {"identical": all(np.array_equal(got[k], ref[k]) for k in ref),
+                      "max_abs_diff": max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref),
+                      "calls": st["calls"], "host_calls": st["host_calls"],
+                      "mean_beta": float(got["beta"].mean())}
     return out
 
 

@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -36,7 +37,7 @@ N = 400
 SITES = ("alpha", "beta", "sigma")
 STATS = ("lp", "energy", "n_steps", "step_size", "diverging", "acceptance_rate")
 #: Small and quick; a checkpoint every EVERY iterations.
-RUN = dict(num_warmup=40, num_samples=40, num_chains=2, seed=11, progress_bar=False)
+RUN = {"num_warmup": 40, "num_samples": 40, "num_chains": 2, "seed": 11, "progress_bar": False}
 EVERY = 4
 TOTAL = RUN["num_warmup"] + RUN["num_samples"]
 
@@ -125,7 +126,7 @@ def run_killed(path, executor: str, kill_at: int, method: str) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     code = CHILD.format(here=here, tests=os.path.dirname(here))
     proc = subprocess.run([sys.executable, "-c", code, str(path), executor, str(kill_at),
-                           method], capture_output=True, text=True, timeout=300)
+                           method], capture_output=True, check=False, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     return read_groups(path)[0]
 
@@ -216,10 +217,10 @@ edited_model.__qualname__ = model.__qualname__
 
 
 def expect_refused(path, match, fn=model, data=None, **kw):
-    before = open(path, "rb").read()
+    before = Path(path).read_bytes()
     with pytest.raises(CheckpointError, match=match) as info:
         pb.sample(fn, make_data() if data is None else data, checkpoint=path, **kw)
-    assert open(path, "rb").read() == before, "a refused checkpoint was changed"
+    assert Path(path).read_bytes() == before, "a refused checkpoint was changed"
     assert "was not changed" in str(info.value)
     return str(info.value)
 
@@ -227,12 +228,11 @@ def expect_refused(path, match, fn=model, data=None, **kw):
 @pytest.mark.parametrize("change, match", [
     ({"num_samples": 9}, r"num_samples: 8 in the checkpoint, 9 now"),
     ({"seed": 12}, r"seed: 11 in the checkpoint, 12 now"),
-    ({"nuts_kwargs": {"target_accept_prob": 0.9}}, r"kernel: NUTS\(.*target_accept_prob=0\.8"
-                                                   r".* in the checkpoint, NUTS\(.*0\.9.* now"),
-    ({"data": make_data(300)}, r"model arguments: \['args'\]\[0\]\['x'\]: float32\[400\]; .* "
-                               r"in the checkpoint, \['args'\]\[0\]\['x'\]: float32\[300\]"),
-    ({"data": make_data(seed=1)}, r"the model's arguments have the same shapes but other "
-                                  r"values"),
+    ({"nuts_kwargs": {"target_accept_prob": 0.9}}, (r"kernel: NUTS\(.*target_accept_prob=0\.8"
+                                                    r".* in the checkpoint, NUTS\(.*0\.9.* now")),
+    ({"data": make_data(300)}, (r"model arguments: \['args'\]\[0\]\['x'\]: float32\[400\]; .* "
+                                r"in the checkpoint, \['args'\]\[0\]\['x'\]: float32\[300\]")),
+    ({"data": make_data(seed=1)}, r"the model's arguments have the same shapes but other values"),
     ({"fn": regression_model}, r"model: 'model' in the checkpoint, 'regression_model' now"),
 ])
 def test_a_finished_checkpoint_of_another_run_is_refused(finished, change, match):
@@ -298,21 +298,19 @@ def test_scheduler_killed_mid_run_fails_fast_then_the_run_continues_on_a_new_clu
         def kill_scheduler_after_a_checkpoint():
             deadline = time.time() + 200
             while time.time() < deadline:
-                try:
+                with contextlib.suppress(Exception):  # no checkpoint yet; the watcher lives on
                     if sum(read_groups(path)[0]["iteration"]) >= 2 * 12:
                         procs[0].send_signal(signal.SIGKILL)
                         killed.append(time.time())
                         return
-                except Exception:  # no checkpoint yet; never let the watcher die
-                    pass
                 time.sleep(0.005)
 
         watcher = threading.Thread(target=kill_scheduler_after_a_checkpoint, daemon=True)
         watcher.start()
-        with pb.DaskExecutor(address=address, dispatch="host", timeout=5) as ex:
-            with pytest.raises(Exception) as info:
-                pb.sample(model, make_data(), executor=ex, chain_method="vectorized",
-                          checkpoint=path, checkpoint_every=EVERY, **RUN)
+        with (pb.DaskExecutor(address=address, dispatch="host", timeout=5) as ex,
+              pytest.raises(Exception) as info):
+            pb.sample(model, make_data(), executor=ex, chain_method="vectorized",
+                      checkpoint=path, checkpoint_every=EVERY, **RUN)
         failed = time.time()
         watcher.join(5)
     assert killed, "the scheduler was never killed"
@@ -323,13 +321,13 @@ def test_scheduler_killed_mid_run_fails_fast_then_the_run_continues_on_a_new_clu
     left = read_groups(path)[0]
     assert left["checkpoint_status"] == "running" and left["iteration"][0] < TOTAL
 
-    with helpers.cli_cluster(str(tmp_path), workers=1) as (new_address, _):
-        with pb.DaskExecutor(address=new_address, dispatch="host", timeout=10) as ex:
-            # (No log-likelihood: its tasks go through the scheduler, which cannot
-            # import this module.)
-            done = pb.sample(model, make_data(), executor=ex, chain_method="vectorized",
-                             checkpoint=path, checkpoint_every=EVERY,
-                             arviz_kwargs={"log_likelihood": False}, **RUN)
+    with (helpers.cli_cluster(str(tmp_path), workers=1) as (new_address, _),
+          pb.DaskExecutor(address=new_address, dispatch="host", timeout=10) as ex):
+        # (No log-likelihood: its tasks go through the scheduler, which cannot
+        # import this module.)
+        done = pb.sample(model, make_data(), executor=ex, chain_method="vectorized",
+                         checkpoint=path, checkpoint_every=EVERY,
+                         arviz_kwargs={"log_likelihood": False}, **RUN)
     assert_identical(draws(done), draws(uninterrupted["vectorized"]))
     assert done.attrs["resume_count"] == 1 and done.attrs["executor"] == "dask"
 
@@ -357,8 +355,8 @@ def test_a_checkpoint_moves_between_python_stacks(tmp_path, uninterrupted, asser
     """A run killed mid-sampling under the other stack (another Python, JAX and ArviZ
     major) resumes here, with a warning where the JAX versions differ; the finished file
     then loads there, and a file written there loads here."""
-    other = subprocess.run([OTHER_PYTHON, "-c", OTHER_INFO], capture_output=True, text=True,
-                           timeout=120)
+    other = subprocess.run([OTHER_PYTHON, "-c", OTHER_INFO], capture_output=True, check=False,
+                           text=True, timeout=120)
     assert other.returncode == 0, f"PB_OTHER_PYTHON={OTHER_PYTHON} does not run: {other.stderr}"
     _, other_jax, _ = other.stdout.split()
 
@@ -367,7 +365,7 @@ def test_a_checkpoint_moves_between_python_stacks(tmp_path, uninterrupted, asser
     code = CHILD.format(here=here, tests=os.path.dirname(here))
     proc = subprocess.run([OTHER_PYTHON, "-c", code, str(path), "serial",
                            str(2 * (RUN["num_warmup"] + 8)), "vectorized"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, check=False, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     made = read_groups(path)[0]["draws_done"][0]
     assert made >= 8
@@ -385,9 +383,9 @@ def test_a_checkpoint_moves_between_python_stacks(tmp_path, uninterrupted, asser
         assert_identical(draws(done), draws(uninterrupted["vectorized"]))
 
     back = subprocess.run([OTHER_PYTHON, "-c", OTHER_LOAD, str(path)], capture_output=True,
-                          text=True, timeout=300)
+                          check=False, text=True, timeout=300)
     assert back.returncode == 0, back.stderr
-    kind, n_draws, total, status = back.stdout.split()
+    _, n_draws, total, status = back.stdout.split()
     assert int(n_draws) == RUN["num_samples"] and status == "finished"
     np.testing.assert_allclose(float(total), float(done.posterior["alpha"].values.sum()),
                                rtol=1e-6)
@@ -400,7 +398,8 @@ def test_a_checkpoint_moves_between_python_stacks(tmp_path, uninterrupted, asser
              "pb.sample(model, make_data(), checkpoint=sys.argv[1], **RUN)\n")
     made_there = subprocess.run([OTHER_PYTHON, "-c", write.format(here=here,
                                                                   tests=os.path.dirname(here)),
-                                 str(theirs)], capture_output=True, text=True, timeout=300)
+                                 str(theirs)], capture_output=True, check=False, text=True,
+                                timeout=300)
     assert made_there.returncode == 0, made_there.stderr
     loaded = load(theirs)
     assert set(run_groups(loaded)) >= {"posterior", "sample_stats", "log_likelihood"}

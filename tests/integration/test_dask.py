@@ -41,8 +41,8 @@ BLOCK_ROWS = 1000
 
 
 def _cluster(**kw):
-    kw = dict(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-              dashboard_address=None) | kw
+    kw = {"n_workers": 2, "threads_per_worker": 1, "processes": True, "host": "127.0.0.1",
+          "dashboard_address": None} | kw
     return LocalCluster(**kw)
 
 
@@ -90,7 +90,7 @@ def assert_same_draws(a, b):
 def test_value_and_grad_bitwise_equal_serial(dask_host, make_problem, precision, assert_close,
                                              assert_identical):
     prob = make_problem("random_effects", n=N)
-    kw = dict(block_rows=BLOCK_ROWS)
+    kw = {"block_rows": BLOCK_ROWS}
     vg = jax.jit(jax.value_and_grad(prob.split(dask_host, **kw), argnums=(0, 1)))
     got = vg(*prob.args)
     ref = jax.jit(jax.value_and_grad(prob.split(pb.SerialExecutor(), **kw), argnums=(0, 1)))(*prob.args)
@@ -104,7 +104,7 @@ def test_value_and_grad_bitwise_equal_serial(dask_host, make_problem, precision,
 
 def test_vmap_over_parameter_sets(dask_host, make_problem, x64, assert_identical):
     prob = make_problem("logistic", n=N)
-    kw = dict(block_rows=BLOCK_ROWS)
+    kw = {"block_rows": BLOCK_ROWS}
     batch = prob.batch(4)
     got = jax.jit(jax.vmap(jax.value_and_grad(prob.split(dask_host, **kw), argnums=1)))(*batch)
     ref = jax.jit(jax.vmap(jax.value_and_grad(prob.split(pb.SerialExecutor(), **kw),
@@ -227,7 +227,7 @@ def test_dask_internals(client):
     assert set(client.run(lambda dask_worker: internals.worker_plugin(dask_worker, "absent")
                           is None).values()) == {True}, where
 
-    addr = sorted(client.scheduler_info()["workers"])[0]
+    addr = min(client.scheduler_info()["workers"])
 
     async def ask():
         pool = internals.connection_pool(client)
@@ -292,7 +292,7 @@ def cli_cluster(tmp_path):
 
 
 def test_command_line_cluster_samples(cli_cluster, x64):
-    address, procs = cli_cluster
+    address, _ = cli_cluster
     data = make_data()
     with pb.DaskExecutor(address=address, dispatch="host", timeout=30) as ex:
         assert ex.scheduler_address == address and ex.workers == 2
@@ -342,7 +342,7 @@ def test_worker_killed_during_nuts_draws_unchanged(x64):
     ref = run_nuts(pb.SerialExecutor(), data, warmup=40, samples=40)
     with _cluster() as cluster, Client(cluster) as c:
         pids = c.run(os.getpid)
-        victim = sorted(pids.values())[0]
+        victim = min(pids.values())
         with pb.DaskExecutor(client=c, dispatch="host") as ex:
             killed = threading.Event()
 

@@ -123,7 +123,7 @@ def test_log_density_and_gradients_equal_plain(executor, x64):
 
 
 def test_predictive_draws_equal_plain(executor, x64):
-    X, y = data()
+    X, _ = data()
     samples = {"a": jnp.linspace(-1, 1, 4), "b": jnp.ones((4, D)) * 0.2}
     key = jax.random.PRNGKey(3)
     want = Predictive(plain, samples)(key, X)["y"]
@@ -194,20 +194,21 @@ def test_handlers_equal_plain(x64):
         "mask off": lambda m: handlers.mask(handlers.substitute(handlers.seed(m, 0), data=p),
                                             mask=False),
     }
+
+    def total(wrap, model, **kw):
+        def f(b):
+            tr = handlers.trace(wrap(handlers.substitute(model, data={"b": b}))).get_trace(
+                X, y, **kw)
+            site = tr["y"]
+            lp = site["fn"].log_prob(site["value"])
+            if site.get("scale") is not None:
+                lp = site["scale"] * lp
+            return jnp.sum(lp)
+        return jax.value_and_grad(f)(p["b"])
+
     with pb.ThreadExecutor(2, dispatch="host") as ex:
         for label, wrap in cases.items():
-            def total(model, **kw):
-                def f(b):
-                    tr = handlers.trace(wrap(handlers.substitute(model, data={"b": b}))).get_trace(
-                        X, y, **kw)
-                    site = tr["y"]
-                    lp = site["fn"].log_prob(site["value"])
-                    if site.get("scale") is not None:
-                        lp = site["scale"] * lp
-                    return jnp.sum(lp)
-                return jax.value_and_grad(f)(p["b"])
-
-            got, want = total(parallel, executor=ex), total(plain)
+            got, want = total(wrap, parallel, executor=ex), total(wrap, plain)
             np.testing.assert_allclose(got[0], want[0], rtol=1e-10, err_msg=label)
             np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12, err_msg=label)
 
@@ -259,8 +260,8 @@ def test_errors_name_the_site_the_argument_and_the_shapes():
 def test_sample_with_posterior_predictive(tmp_path):
     az = pytest.importorskip("arviz")
     X, y = data(jnp.float32, n=400)
-    kw = dict(num_warmup=60, num_samples=40, num_chains=2, seed=1, progress_bar=False,
-              posterior_predictive=True)
+    kw = {"num_warmup": 60, "num_samples": 40, "num_chains": 2, "seed": 1, "progress_bar": False,
+          "posterior_predictive": True}
     with pb.ThreadExecutor(2) as ex:
         run = pb.sample(parallel, X, y, executor=ex, **kw)
         groups = run_groups(run)
@@ -313,8 +314,8 @@ pb.sample(parallel, X, y, executor=pb.SerialExecutor(), checkpoint=path, checkpo
           **PREDICTIVE_RUN)
 print("finished without being killed", flush=True)
 """
-PREDICTIVE_RUN = dict(num_warmup=30, num_samples=30, num_chains=1, seed=2, progress_bar=False,
-                      posterior_predictive=True)
+PREDICTIVE_RUN = {"num_warmup": 30, "num_samples": 30, "num_chains": 1, "seed": 2,
+                  "progress_bar": False, "posterior_predictive": True}
 
 
 def test_a_resumed_run_gets_the_same_posterior_predictive(tmp_path):
@@ -328,7 +329,7 @@ def test_a_resumed_run_gets_the_same_posterior_predictive(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     path = tmp_path / "run.nc"
     code = KILLED_CHILD.format(here=here, tests=os.path.dirname(here))
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, check=False,
                           text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     X, y = data(jnp.float32, n=400)

@@ -1,5 +1,7 @@
 """Block plans, the fixed-order ``tree_sum`` and the chunk plans built on them."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +46,7 @@ def test_default_plan_tiles_the_rows(n_rows):
     ranges = [plan.block_range(b) for b in range(plan.n_blocks)]
     if n_rows:
         assert ranges[0][0] == 0 and ranges[-1][1] == n_rows
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     if n_rows * 8 > TARGET_BLOCK_BYTES:  # more than one block's worth of data
         assert plan.block_rows >= MIN_BLOCK_ROWS
         assert plan.block_rows & (plan.block_rows - 1) == 0  # a power of two
@@ -137,7 +139,7 @@ def test_fixed_chunks_cover_every_block_once(n_rows, block_rows, grainsize):
     # Their row ranges tile [0, N).
     rows = [c.rows(plan) for c in chunks]
     assert rows[0][0] == 0 and rows[-1][1] == n_rows
-    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
 
 
 def test_fixed_chunks_round_to_whole_blocks():

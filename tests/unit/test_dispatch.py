@@ -291,7 +291,7 @@ def test_tuner_retimes_a_segment_a_checkpoint_cut(scan_data):
         tuner.record(route, 0.01, 10, 10, (hi, hi2))
         n, planned = tuner._plan[0]
         lo = hi2
-        hi3, _, route = tuner.next(lo, lo + 1 if n > 1 else lo + 1)  # a checkpoint cuts it
+        hi3, _, route = tuner.next(lo, lo + 1)  # a checkpoint cuts it
         tuner.record(route, 0.005, 10, 10, (lo, hi3))
         if n > 1:
             assert tuner._plan[0] == (n, planned) and tuner._times[planned] == []
