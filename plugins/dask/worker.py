@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import cloudpickle
 import numpy as np
@@ -190,6 +190,11 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
                                     task, shared, diff_traced, diff_shared, in_axes)
                for task in tasks]
     results = await asyncio.gather(*futures, return_exceptions=True)
+    if any(isinstance(r, (asyncio.CancelledError, CancelledError)) for r in results):
+        # The worker's pool cancelled queued chunks: it is shutting down (killed, retired,
+        # scaled down), not fn failing. The client hands the chunks to other workers.
+        return Reply(GONE, detail=f"the worker {dask_worker.address} is shutting down "
+                                  "(its pool cancelled the chunks)")
     for task, r in zip(tasks, results):
         if isinstance(r, BaseException):
             rows = spec.rows(task[1].first, task[1].count)
