@@ -54,7 +54,7 @@ _LAZY = {
     "factor": ("parallel_backend.plugins.numpyro", "factor", None),
     "observe": ("parallel_backend.plugins.numpyro", "observe", None),
     "log_likelihood": ("parallel_backend.plugins.numpyro", "log_likelihood", None),
-    "sample": ("parallel_backend.plugins.arviz", "sample", "arviz"),
+    "sample": ("parallel_backend.plugins.sample", "sample", "arviz"),
     "profile": ("parallel_backend.plugins.numpyro", "profile", None),
     "to_arviz": ("parallel_backend.plugins.arviz", "to_arviz", "arviz"),
     "DaskExecutor": ("parallel_backend.plugins.dask", "DaskExecutor", "dask"),

@@ -1,7 +1,8 @@
 """The host path, end to end: one evaluation run as chunk tasks on an executor's workers.
 
-Called from the host callback of :mod:`.reduce` with the traced data leaves and
-the shared leaves (host arrays; under ``vmap`` with leading batch axes). In order:
+:func:`partials` puts a ``jax.pure_callback`` in the caller's program (for
+:mod:`.reduce`); XLA calls :func:`callback` with the traced data leaves and the shared
+leaves (host arrays; under ``vmap`` with leading batch axes). In order:
 
 1. :func:`unbatch` flattens any batch axes to one and notes which leaves carry it;
 2. the traced leaves are cut into blocks and the chunks are planned (the adaptive
@@ -17,16 +18,19 @@ Imports jax, numpy and the core.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .chunking import fixed_chunks
 from .errors import ChunkError
 from .tasks import Evaluation, Task, pad_blocks
 
-__all__ = ["assemble", "evaluate", "unbatch"]
+__all__ = ["assemble", "callback", "evaluate", "partials", "unbatch"]
 
 
 def assemble(program, results, batch: tuple, traced_shapes, shared_shapes):
@@ -51,6 +55,30 @@ def assemble(program, results, batch: tuple, traced_shapes, shared_shapes):
             buf[rows] = g.reshape(g.shape[:len(batch)] + (-1,) + g.shape[len(batch) + 2:])
     g_data = [g[lead + (slice(0, p.n_rows),)] for g in g_data]
     return values, tuple(g_shared), tuple(g_data)
+
+
+def partials(state, executor, grainsize, traced, shared, diff_traced, diff_shared):
+    """The per-block partials of one evaluation through a ``jax.pure_callback`` (traced in
+    the caller's program): :func:`callback` runs :func:`evaluate` on the executor."""
+    p = state.spec.plan
+    shapes = (
+        jax.ShapeDtypeStruct((p.n_blocks,), np.dtype(state.spec.value_dtype)),
+        tuple(jax.ShapeDtypeStruct((p.n_blocks,) + jnp.shape(s), jnp.result_type(s))
+              for s, d in zip(shared, diff_shared) if d),
+        tuple(jax.ShapeDtypeStruct((p.n_rows,) + jnp.shape(t)[1:], jnp.result_type(t))
+              for t, d in zip(traced, diff_traced) if d),
+    )
+    orig_ndims = tuple(jnp.ndim(x) for x in (*traced, *shared))
+    run = functools.partial(callback, executor, state, grainsize, diff_traced, diff_shared,
+                            orig_ndims, len(traced))
+    return jax.pure_callback(run, shapes, *traced, *shared, vmap_method="expand_dims")
+
+
+def callback(executor, state, grainsize, diff_traced, diff_shared, orig_ndims, n_traced,
+             *args):
+    """The host callback: the arguments as XLA hands them, to :func:`evaluate`."""
+    return evaluate(executor, state, grainsize, args[:n_traced], args[n_traced:],
+                    diff_traced, diff_shared, orig_ndims)
 
 
 def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_shared, orig_ndims,

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from . import host
+from . import host as host_path
 from .batching import set_batching
 from .blocks import (
     BlockPlan,
@@ -212,7 +212,7 @@ def _reduce(state, executor, grainsize, route, blocked):
         return add(values), tuple(map(add, gs)), tuple(map(add, gd))
 
     def host(traced, shared, dt, ds):
-        return _host_partials(state, executor, grainsize, traced, shared, dt, ds)
+        return host_path.partials(state, executor, grainsize, traced, shared, dt, ds)
 
     def graph(traced, shared, dt, ds, set_axes=None):  # set_axes: a batch, under vmap
         return executor.graph_partials(state, traced, shared, dt, ds, set_axes)
@@ -285,27 +285,6 @@ def _add_zero(zero, x):
     return x + zero.reshape(zero.shape + (1,) * (x.ndim - zero.ndim)).astype(x.dtype)
 
 
-def _host_partials(state, executor, grainsize, traced, shared, diff_traced, diff_shared):
-    p = state.spec.plan
-    shapes = (
-        jax.ShapeDtypeStruct((p.n_blocks,), np.dtype(state.spec.value_dtype)),
-        tuple(jax.ShapeDtypeStruct((p.n_blocks,) + jnp.shape(s), jnp.result_type(s))
-              for s, d in zip(shared, diff_shared) if d),
-        tuple(jax.ShapeDtypeStruct((p.n_rows,) + jnp.shape(t)[1:], jnp.result_type(t))
-              for t, d in zip(traced, diff_traced) if d),
-    )
-    orig_ndims = tuple(jnp.ndim(x) for x in (*traced, *shared))
-    callback = functools.partial(_host_callback, executor, state, grainsize, diff_traced,
-                                 diff_shared, orig_ndims, len(traced))
-    return jax.pure_callback(callback, shapes, *traced, *shared, vmap_method="expand_dims")
-
-
-def _host_callback(executor, state, grainsize, diff_traced, diff_shared, orig_ndims, n_traced,
-                   *args):
-    return host.evaluate(executor, state, grainsize, args[:n_traced], args[n_traced:],
-                         diff_traced, diff_shared, orig_ndims)
-
-
 # -- validation --------------------------------------------------------------------
 
 
@@ -367,13 +346,17 @@ def _block_struct(leaves, rows):
     return [jax.ShapeDtypeStruct((rows,) + tuple(jnp.shape(x))[1:], jnp.result_type(x)) for x in leaves]
 
 
+def _shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
+    """``fn``'s output shape and dtype on a block of ``rows`` rows (nothing computed)."""
+    return jax.eval_shape(
+        lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
+                        *jax.tree_util.tree_unflatten(shared_treedef, s)),
+        _block_struct(leaves, rows), list(shared_leaves))
+
+
 def _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
     try:
-        out = jax.eval_shape(
-            lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
-                            *jax.tree_util.tree_unflatten(shared_treedef, s)),
-            _block_struct(leaves, rows), list(shared_leaves))
-        return out.dtype
+        return _shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows).dtype
     except Exception:  # noqa: BLE001 - fn may not handle 0 rows; fall back to the default float
         return jnp.result_type(float)
 
@@ -382,10 +365,7 @@ def _check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows,
     """Trace ``fn`` on a block's shapes: errors surface here, in the caller, before sampling."""
     start = 0 if rows == plan.block_rows and plan.n_full else plan.n_full * plan.block_rows
     try:
-        out = jax.eval_shape(
-            lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
-                            *jax.tree_util.tree_unflatten(shared_treedef, s)),
-            _block_struct(leaves, rows), list(shared_leaves))
+        out = _shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows)
     except Exception as e:
         e.add_note(f"reduce_sum: raised by fn on a chunk of rows [{start}, {start + rows}) "
                    f"of data with leaves {', '.join(paths)}")

@@ -22,7 +22,7 @@ from ..counting import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
 
-__all__ = ["Executor", "DISPATCH_MODES"]
+__all__ = ["DISPATCH_MODES", "Executor"]
 
 DISPATCH_MODES = ("auto", "graph", "host")
 
@@ -60,8 +60,8 @@ class Executor:
         self._states = SiteCache(on_forget=self._retire)
         self._closed = False
         self._created = time.time()
-        self._counts = dict(calls=0, graph_calls=0, host_calls=0, chunks=0, rows=0,
-                            seconds_in_workers=0.0, bytes_sent=0)
+        self._counts = {"calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
+                        "seconds_in_workers": 0.0, "bytes_sent": 0}
 
     # -- hooks subclasses override ----------------------------------------------------
 
@@ -164,8 +164,8 @@ class Executor:
     def graph_counts(self, state: SiteState, calls: int, batches: int) -> dict:
         """What ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
         add to :meth:`stats`; an executor that splits the graph over devices overrides it."""
-        return dict(graph_calls=calls, calls=calls, chunks=calls,
-                    rows=state.spec.plan.n_rows * batches)
+        return {"graph_calls": calls, "calls": calls, "chunks": calls,
+                "rows": state.spec.plan.n_rows * batches}
 
     def _graph_calls(self, state: SiteState) -> tuple[int, int]:
         with self._lock:
@@ -259,10 +259,11 @@ def site_stats(state: SiteState) -> dict:
         rows = [min(state.chunker.blocks_per_chunk * p.block_rows, p.n_rows)]
     else:
         rows = [p.n_rows]
-    out = dict(label=spec.label, rows=p.n_rows, block_rows=p.block_rows, blocks=p.n_blocks,
-               tile_blocks=spec.tiles.tile_blocks, tiles=spec.tiles.n_tiles, form=spec.form,
-               dispatch=route, default=state.decision, chunk_rows=rows,
-               settled=state.chunker.settled if host else None)
+    out = {"label": spec.label, "rows": p.n_rows, "block_rows": p.block_rows,
+           "blocks": p.n_blocks, "tile_blocks": spec.tiles.tile_blocks,
+           "tiles": spec.tiles.n_tiles, "form": spec.form, "dispatch": route,
+           "default": state.decision, "chunk_rows": rows,
+           "settled": state.chunker.settled if host else None}
     if state.measured is not None:
         out["measured"] = {"route": state.measured.route, "host_over_graph": state.measured.ratio,
                            "reason": state.measured.reason}

@@ -20,13 +20,3 @@ from .io import load, save
 
 __all__ = ["DATATREE", "HMC_EXTRA_FIELDS", "load", "save", "to_arviz"]
 
-
-def __getattr__(name: str):
-    # pb.sample's names, found here too: the facade (parallel_backend/__init__.py) maps
-    # pb.sample to this plugin, and earlier code imports them from here. Lazy, so that
-    # this plugin never needs the one built on it.
-    if name in ("sample", "ConversionError", "CheckpointError"):
-        from ..sample import fingerprint, run
-
-        return getattr(fingerprint if name == "CheckpointError" else run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ from parallel_backend.extend import check_count, cpu_count
 
 from .protocol import QUARANTINE_SECONDS
 
-__all__ = ["connect", "local_cluster", "Liveness", "worker_env", "scheduler_lost"]
+__all__ = ["Liveness", "connect", "local_cluster", "scheduler_lost", "worker_env"]
 
 #: Eigen's own thread pool off on workers: the worker's threads are the parallelism.
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -42,7 +42,7 @@ def connect(address: str, timeout: float) -> Client:
     try:
         # Not dask's default scheduler: the executor's client is for its own work only.
         return Client(address, timeout=timeout, set_as_default=False)
-    except (OSError, TimeoutError, asyncio.TimeoutError) as e:
+    except (OSError, TimeoutError) as e:
         raise ConnectionError(f"DaskExecutor: no dask scheduler answered at {address!r} within "
                               f"{timeout:g} s ({type(e).__name__}: {e}). Is `dask scheduler` "
                               "running there, and is the address (and tls:// for a secured "
@@ -144,7 +144,7 @@ def wait_for_workers(client, timeout: float) -> dict:
     """``{address: threads}`` once at least one worker is there, or a clear error."""
     try:
         client.wait_for_workers(1, timeout=timeout)
-    except (TimeoutError, asyncio.TimeoutError) as e:
+    except TimeoutError as e:
         address = client.scheduler.address
         raise TimeoutError(f"DaskExecutor: the scheduler at {address} has no workers (waited "
                            f"{timeout:g} s); start some with `dask worker {address}`") from e

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import uuid
 import weakref
@@ -183,17 +184,14 @@ class DaskExecutor(Executor):
         return r
 
     def run_tasks(self, tasks):
-        """Each task's blocks on the worker that holds them (a task that straddles two
-        workers' shares is cut at the boundary); the data is on the workers already, so
-        only the chunk and its parameters travel."""
+        """Each task's blocks on the worker that holds their data (cut where a task spans
+        two workers' shares): only the chunk and its parameters travel."""
         self.check_open()
         if not tasks:
             return []
-        state, evaluation = tasks[0].site, tasks[0].evaluation
-        chunks = [t.chunk for t in tasks]
-        r = self._remote(state)
+        state, evaluation, r = tasks[0].site, tasks[0].evaluation, self._remote(tasks[0].site)
         try:
-            return self._map_chunks(r, state, chunks, evaluation)
+            return self._map_chunks(r, state, [t.chunk for t in tasks], evaluation)
         finally:
             with self._remote_lock:
                 orphan = self._remotes.get(state) is not r and self._revived.get(state) is not r
@@ -376,11 +374,10 @@ class DaskExecutor(Executor):
 
     def release(self) -> None:
         probe.unwatch(self._client, self._probe)
-        try:
+        # A cluster that is gone holds no state to drop.
+        with contextlib.suppress(Exception):
             if self._client.status == "running":
                 self._client.unregister_worker_plugin(self._plugin)
-        except Exception:  # noqa: BLE001 - a cluster that is gone holds no state to drop
-            pass
         with self._remote_lock:
             self._remotes.clear()
             self._revived.clear()

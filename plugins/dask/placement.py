@@ -17,7 +17,7 @@ import numpy as np
 
 from parallel_backend.extend import even_slots
 
-__all__ = ["RemoteSite", "content_token", "assign", "forget_revived"]
+__all__ = ["RemoteSite", "assign", "content_token", "forget_revived"]
 
 
 class RemoteSite:

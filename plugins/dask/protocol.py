@@ -15,8 +15,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Reply", "OK", "MISSING", "ERROR", "GONE", "INSTALL_ATTEMPTS", "MAX_ROUNDS",
-           "QUARANTINE_SECONDS"]
+__all__ = [
+    "ERROR",
+    "GONE",
+    "INSTALL_ATTEMPTS",
+    "MAX_ROUNDS",
+    "MISSING",
+    "OK",
+    "QUARANTINE_SECONDS",
+    "Reply",
+]
 
 OK, MISSING, ERROR, GONE = "ok", "missing", "error", "gone"
 #: Times a worker is sent a call site's data before it counts as gone.

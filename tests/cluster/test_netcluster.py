@@ -22,9 +22,9 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from numpyro.infer import MCMC, NUTS
-from parallel_backend.plugins.dask.worker import holdings
 
 import parallel_backend as pb
+from parallel_backend.plugins.dask.worker import holdings
 
 pytestmark = [pytest.mark.netcluster, pytest.mark.dask, pytest.mark.timeout(420)]
 

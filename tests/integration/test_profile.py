@@ -20,6 +20,7 @@ from parallel_backend.blocks import balance_blocks
 
 # The module, not the function of the same name that the package exports.
 profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
+variants_module = importlib.import_module("parallel_backend.plugins.numpyro.profile_variants")
 
 
 def normal_loglik(y, mu, sigma):
@@ -48,7 +49,7 @@ def cores():
 
 def expected_labels():
     labels = ["plain NumPyro", "SerialExecutor()"]
-    labels += [f"ThreadExecutor({w}, dispatch='host')" for w in profile_module._worker_counts(cores())]
+    labels += [f"ThreadExecutor({w}, dispatch='host')" for w in variants_module._worker_counts(cores())]
     if cores() > 1:
         labels.append(f"ThreadExecutor({cores()})")
     if len(jax.devices()) > 1:

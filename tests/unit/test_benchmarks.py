@@ -125,13 +125,13 @@ def test_harness_and_profile_share_the_timing_module(bench):
     from benchmarks import nuts
 
     # The modules, not the function `profile` that the plugin package exports.
-    profile = importlib.import_module("parallel_backend.plugins.numpyro.profile")
+    variants = importlib.import_module("parallel_backend.plugins.numpyro.profile_variants")
     timing = importlib.import_module("parallel_backend.plugins.numpyro.profile_timing")
 
     for name in ("time_interleaved", "warm_up", "medians"):
         assert getattr(harness, name) is getattr(timing, name)
-    assert profile.time_interleaved is timing.time_interleaved
-    assert profile.StampedKernel is timing.StampedKernel
+    assert variants.time_interleaved is timing.time_interleaved
+    assert variants.StampedKernel is timing.StampedKernel
     assert "StampedKernel" in inspect.getsource(nuts.run_one)
 
 

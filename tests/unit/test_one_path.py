@@ -1,5 +1,5 @@
 """One host-path gradient evaluation, after warm-up, takes one short path through the
-package: at most six of its modules, and never back into a module that is waiting on
+package: at most six of its modules (five today), and never back into a module that is waiting on
 another (A -> B -> A), on the calling thread or on the executor's workers.
 
 Recorded with ``sys.monitoring`` (Python 3.12+), which sees every thread, also the one
