@@ -83,6 +83,7 @@ def ping(client, address: str, payload: int = 0, n: int = 20) -> float:
     the connection the executor uses (dask's ``run`` handler): the round trip as the
     executor sees it, proxy and scheduling on this machine included."""
     import cloudpickle
+
     from parallel_backend.plugins.dask import internals
 
     function = cloudpickle.dumps(lambda *a: 0)
@@ -105,9 +106,9 @@ def _problems(sequences: int, effects: int, hmm_block: int = 250):
     """``name -> (make_fn(executor), args, argnums)`` for the two problems."""
     import jax
     import jax.numpy as jnp
-    from parallel_backend.plugins.cli.demo import hmm_init, hmm_loglik, make_hmm_data
 
     import parallel_backend as pb
+    from parallel_backend.plugins.cli.demo import hmm_init, hmm_loglik, make_hmm_data
 
     obs, _ = make_hmm_data(sequences)
     init = hmm_init(obs)
@@ -275,14 +276,14 @@ def unequal(args) -> None:
 def nuts(args) -> None:
     import jax
     from numpyro.infer import MCMC, NUTS
+
+    import parallel_backend as pb
     from parallel_backend.plugins.cli.demo import (
         hmm_nuts_kwargs,
         hmm_parallel,
         hmm_plain,
         make_hmm_data,
     )
-
-    import parallel_backend as pb
 
     from .cluster import NetCluster
 
