@@ -207,12 +207,13 @@ def main(argv=None):
           f"gradient on one 2-core machine = {SEED['iterations'] * steps * 0.56 / 3600:.1f} h")
     for c in (2, 16):
         print(f"\nC = {c} cores per machine (1 Gbit/s links): minutes (speedup vs plain on "
-              "2 cores); * = latency-bound")
+              "2 cores); † = latency-bound")
         ws = sorted({t["W"] for t in table})
         print("| RTT | " + " | ".join(f"W={w}" for w in ws) + " |")
         print("|---" * (len(ws) + 1) + "|")
         for rtt in sorted({t["rtt_ms"] for t in table}):
-            cells = [f"{t['minutes']:.1f} ({t['speedup']:.0f}x){'*' if t['latency_bound'] else ''}"
+            mark = {True: " †", False: ""}
+            cells = [f"{t['minutes']:.1f} ({t['speedup']:.0f}x){mark[t['latency_bound']]}"
                      for t in table if t["C"] == c and t["rtt_ms"] == rtt]
             print(f"| {rtt:g} ms | " + " | ".join(cells) + " |")
     if a.plot:

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM tears down too
     hold = min(a.hold, 3600.0)
     with NetCluster(_workers(a.workers, a.rtt_ms, a.rate), scheduler_rtt_ms=a.rtt_ms,
-                    scheduler_rate=a.rate, lifetime=hold + 60) as c:
+                    scheduler_rate=a.rate, lifetime=hold + 60, keep_logs=True) as c:
         print(json.dumps({"scheduler": c.address, "hosts": c.describe(),
                           "logs": str(c.logs)}), flush=True)
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -101,12 +102,16 @@ class NetCluster:
         Seconds after which every process of the cluster exits, whatever happens.
     lock_wait : float
         Seconds to wait for another simulated cluster on this machine to finish.
+    keep_logs : bool
+        Keep the processes' logs (``self.logs``) after :meth:`close`.
     """
 
     def __init__(self, workers=({"threads": 1}, {"threads": 2}), *, scheduler_rtt_ms=0.0,
                  scheduler_rate=None, python: str | None = None, lifetime: float = 1800.0,
-                 lock_wait: float = 600.0, start_timeout: float = 90.0):
+                 lock_wait: float = 600.0, start_timeout: float = 90.0,
+                 keep_logs: bool = False):
         self.python = python or sys.executable
+        self.keep_logs = keep_logs
         self.lifetime = float(lifetime)
         self.start_timeout = float(start_timeout)
         self.logs = Path(tempfile.mkdtemp(prefix="pbnc-logs-"))
@@ -159,6 +164,8 @@ class NetCluster:
             net.clean()
             self._lock.close()
             self._lock = None
+        if not self.keep_logs:  # a failure to start quotes them in its error
+            shutil.rmtree(self.logs, ignore_errors=True)
 
     def __enter__(self):
         return self

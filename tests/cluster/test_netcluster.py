@@ -177,9 +177,11 @@ def test_worker_on_another_cpu_is_named(netcluster):
 
 
 def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
-    """The scheduler's host unreachable for 3 s (its cable out) while NUTS runs: the executor
+    """The scheduler's host unreachable (its cable out) while NUTS runs: the executor
     messages the workers directly and asks the scheduler only after a failure, so the run
     goes on through the outage and draws SerialExecutor's draws."""
+    from benchmarks.netcluster import net
+
     data = make_data(6000)
     ref = run_nuts(pb.SerialExecutor(), data, warmup=30, samples=30)
     cluster = netcluster({"threads": 1}, {"threads": 2, "rtt_ms": 1.0})
@@ -191,7 +193,15 @@ def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
             while ex.stats()["calls"] < 20 and time.monotonic() < deadline:
                 time.sleep(0.005)
             seen["before"] = ex.stats()["calls"]
-            cluster.cut("s", 3.0)
+            # The cable out until 100 more evaluations went through (at most 5 s), then back.
+            net.set_link_up("s", False)
+            try:
+                t_end = time.monotonic() + 5
+                while ex.stats()["calls"] < seen["before"] + 100 and time.monotonic() < t_end:
+                    time.sleep(0.005)
+                seen["seconds"] = 5 - (t_end - time.monotonic())
+            finally:
+                net.set_link_up("s", True)
             seen["after"] = ex.stats()["calls"]
 
         t = threading.Thread(target=cut_when_running, daemon=True)
@@ -204,3 +214,45 @@ def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
     assert end > seen["after"], f"the run ended before the cable was back: {seen}, {end}"
     for k in ref:
         assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
+
+
+def test_scheduler_host_lost_fails_fast_and_the_checkpoint_finishes_the_run(netcluster, tmp_path,
+                                                                           x64):
+    """The scheduler's host dies while ``pb.sample`` checkpoints on the cluster: the run fails
+    within seconds with an error naming the scheduler, the checkpoint is kept, and calling
+    ``pb.sample`` again (here on ``SerialExecutor``) finishes with the uninterrupted draws."""
+    data = make_data(6000)
+    run = {"num_warmup": 30, "num_samples": 30, "num_chains": 1, "seed": 5,
+           "progress_bar": False}
+    ref = pb.sample(model, data, executor=pb.SerialExecutor(), **run)
+    path = tmp_path / "run.nc"
+    cluster = netcluster({"threads": 2, "rtt_ms": 1.0})
+    address = cluster.address
+    killed = []
+
+    def kill_after_a_checkpoint():
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            if path.exists() and ex.stats()["calls"] > 150:
+                cluster.kill("s")
+                killed.append(time.monotonic())
+                return
+            time.sleep(0.01)
+
+    with pb.DaskExecutor(address=address, dispatch="host", timeout=5) as ex:
+        t = threading.Thread(target=kill_after_a_checkpoint, daemon=True)
+        t.start()
+        # A ConnectionError raised in JAX's host callback: it reaches here wrapped in
+        # JAX's runtime error, with its message.
+        with pytest.raises(Exception) as info:
+            pb.sample(model, data, executor=ex, checkpoint=path, checkpoint_every=5, **run)
+        failed = time.monotonic()
+        t.join(5)
+    assert killed, "the scheduler's host was never killed"
+    assert failed - killed[0] < 30, f"failed {failed - killed[0]:.1f} s after the host died"
+    assert f"lost the scheduler at {address}" in str(info.value), str(info.value)
+    assert path.exists()
+    done = pb.sample(model, data, executor=pb.SerialExecutor(), checkpoint=path,
+                     checkpoint_every=5, **run)
+    for k in ("alpha", "beta", "sigma", "gamma", "delta"):
+        assert np.array_equal(done.posterior[k].values, ref.posterior[k].values), k
