@@ -42,6 +42,20 @@ import time
 import numpy as np
 
 
+def _spread(t) -> dict:
+    """Median and 10th/90th percentiles of the timed calls ``t`` (seconds)."""
+    return {"seconds_median": float(np.median(t)), "seconds_p10": float(np.percentile(t, 10)),
+            "seconds_p90": float(np.percentile(t, 90))}
+
+
+def _emit(rec: dict, out) -> None:
+    """Print one record (a JSON line) and append it to ``out`` when given."""
+    print(json.dumps(rec), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def _cpu() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     for line in out.splitlines():
@@ -186,18 +200,13 @@ def overhead(args) -> None:
                     rec = {"bench": "netcluster_overhead", "problem": name, "rtt_ms": rtt,
                            "proxy": rtt > 0, "rate": rate or "veth", "workers": ex.workers,
                            "hosts": len(c.workers()), "calls": len(t),
-                           "seconds_median": float(np.median(t)),
-                           "seconds_p10": float(np.percentile(t, 10)),
-                           "seconds_p90": float(np.percentile(t, 90)),
+                           **_spread(t),
                            "serial_seconds": local[(name, "serial")],
                            "plain_seconds": local[(name, "plain")],
                            "bytes_per_eval": (s1["bytes_sent"] - s0["bytes_sent"]) / max(n, 1),
                            "data_bytes_once": data_once[name],
                            "ping_seconds": pings, "ping_200kB_seconds": pings_200k, **env}
-                    print(json.dumps(rec), flush=True)
-                    if args.out:
-                        with open(args.out, "a") as f:
-                            f.write(json.dumps(rec) + "\n")
+                    _emit(rec, args.out)
 
 
 def hosts(args) -> None:
@@ -229,15 +238,10 @@ def hosts(args) -> None:
             rec = {"bench": "netcluster_hosts", "client_cpu_seconds": cpu, "problem": name, "block_rows": args.block,
                    "serial_seconds": serial_s, "proxy": args.rtt > 0, "rtt_ms": args.rtt,
                    "rate": "veth", "hosts": w, "workers": ex.workers, "calls": len(t),
-                   "seconds_median": float(np.median(t)),
-                   "seconds_p10": float(np.percentile(t, 10)),
-                   "seconds_p90": float(np.percentile(t, 90)),
+                   **_spread(t),
                    "bytes_per_eval": (s1["bytes_sent"] - s0["bytes_sent"]) / max(n, 1),
                    "ping_seconds": pings, **env}
-            print(json.dumps(rec), flush=True)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
+            _emit(rec, args.out)
 
 
 def unequal(args) -> None:
@@ -263,14 +267,9 @@ def unequal(args) -> None:
             rec = {"bench": "netcluster_unequal", "problem": name, "rate": "veth",
                    "rtt_ms": {"w1": slow_rtt, "w2": fast_rtt}, "threads": {"w1": 1, "w2": 2},
                    "hosts": 2, "workers": ex.workers, "calls": len(t),
-                   "seconds_median": float(np.median(t)),
-                   "seconds_p10": float(np.percentile(t, 10)),
-                   "seconds_p90": float(np.percentile(t, 90)),
+                   **_spread(t),
                    "serial_seconds": serial_s, "ping_seconds": pings, **env}
-            print(json.dumps(rec), flush=True)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
+            _emit(rec, args.out)
 
 
 def nuts(args) -> None:
@@ -331,10 +330,7 @@ def nuts(args) -> None:
                 rec.update(workers=ex.workers, hosts=2, calls=stats["calls"],
                            bytes_sent=stats["bytes_sent"],
                            data_bytes_once=stats["data_bytes_sent"])
-            print(json.dumps(rec), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            _emit(rec, args.out)
 
 
 def main(argv=None) -> None:
