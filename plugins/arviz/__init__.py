@@ -1,6 +1,6 @@
 """ArviZ integration, for a run's output: ``pb.to_arviz`` (a finished NumPyro run with the
 pointwise log-likelihood of its ``pb.factor``/``pb.observe`` sites) and ``save``/``load``
-of a run as netCDF, under ArviZ 1.x (``xarray.DataTree``) and ArviZ 0.2x
+of a run as netCDF, under ArviZ 1.x (``xarray.DataTree``) and ArviZ 0.x
 (``arviz.InferenceData``) alike.
 
 Imports arviz, xarray, numpyro, the core's public names and the NumPyro plugin's modules

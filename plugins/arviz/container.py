@@ -1,7 +1,7 @@
 """The one place that knows which ArviZ is installed.
 
 ArviZ 1.x (Python >= 3.12) keeps a run in an ``xarray.DataTree`` with one child per
-group; ArviZ 0.2x in an ``arviz.InferenceData``. Everything else in this plugin works
+group; ArviZ 0.x in an ``arviz.InferenceData``. Everything else in this plugin works
 on plain parts, ``({group: xarray.Dataset}, attrs)``, and turns them into the
 installed major's container only at the end (:func:`build`), so both majors take the
 same path but for :func:`from_numpyro`, :func:`dataset` and :func:`build`/:func:`parts`.

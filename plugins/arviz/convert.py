@@ -74,7 +74,7 @@ def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=N
     Returns
     -------
     xarray.DataTree or arviz.InferenceData
-        ``DataTree`` with ArviZ 1.x, ``InferenceData`` with ArviZ 0.2x; groups
+        ``DataTree`` with ArviZ 1.x, ``InferenceData`` with ArviZ 0.x; groups
         ``posterior``, ``sample_stats``, ``log_likelihood`` (if asked),
         ``observed_data`` (ordinary observed sites), ``constant_data``; ``attrs`` hold
         ``parallel_backend_version``, ``executor``, ``workers``, ``chunk_rows``.

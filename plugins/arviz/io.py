@@ -2,7 +2,7 @@
 
 One file format for both: a netCDF4 file (HDF5, written and read by h5netcdf through
 xarray's public ``DataTree.to_netcdf`` and ``open_datatree``) with one group per ArviZ
-group and the run's attributes at its root. A file written under ArviZ 0.2x loads
+group and the run's attributes at its root. A file written under ArviZ 0.x loads
 under 1.x and the other way round; :func:`load` returns the installed major's container.
 
 netCDF keeps attribute values as numbers, strings and 1-d arrays: a one-element list

@@ -106,7 +106,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     Returns
     -------
     xarray.DataTree or arviz.InferenceData
-        As the installed ArviZ keeps a run (1.x: ``DataTree``; 0.2x: ``InferenceData``);
+        As the installed ArviZ keeps a run (1.x: ``DataTree``; 0.x: ``InferenceData``);
         see :func:`parallel_backend.to_arviz`. ``attrs`` also hold
         ``warmup_seconds`` and ``sampling_seconds`` (compilation included, all parts
         of a resumed run added), ``resume_count`` and, for a resumed run,
