@@ -36,10 +36,20 @@ from .errors import ChunkError, check_count
 from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
 from .internals import is_tracer
-from .sets import block_axis, unblock
+from .sets import unblock
 from .site import SiteState, run_eagerly
-from .spec import Program, SiteSpec, host_device
-from .tasks import ChunkResult, Evaluation, Resident, Task, pad_blocks, run_chunk, run_task
+from .spec import Program, SiteSpec
+from .tasks import (
+    ChunkResult,
+    Evaluation,
+    Resident,
+    Task,
+    block_axis,
+    host_device,
+    pad_blocks,
+    run_chunk,
+    run_task,
+)
 
 __all__ = [
     "GRAPH",

@@ -28,7 +28,7 @@ import numpy as np
 
 from .chunking import fixed_chunks
 from .errors import ChunkError
-from .tasks import Evaluation, Task, pad_blocks
+from .tasks import Evaluation, Task, block_axis, pad_blocks
 
 __all__ = ["assemble", "callback", "evaluate", "partials", "unbatch"]
 
@@ -98,8 +98,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     t0 = time.perf_counter()
     traced, shared, in_axes, batch_shape = unbatch(traced, shared, orig_ndims)
     axes_t = in_axes[0] if in_axes is not None else (None,) * len(traced)
-    # The block axis follows a leaf's batch axis, if it has one.
-    blocked = tuple(pad_blocks(np.asarray(t), plan, axis=1 if ax == 0 else 0)
+    blocked = tuple(pad_blocks(np.asarray(t), plan, axis=block_axis(ax))
                     for t, ax in zip(traced, axes_t))
     # numpy, not the callback's jax arrays: those are committed to the caller's device,
     # and a chunk may run on another (a DeviceExecutor's).

@@ -29,12 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-__all__ = ["block_axis", "nest_sets", "over_blocks", "take_blocks", "unblock"]
+from .tasks import block_axis
 
-
-def block_axis(set_axis) -> int:
-    """Where a leaf's block axis is: after its set axis (``0``), else first."""
-    return 1 if set_axis == 0 else 0
+__all__ = ["nest_sets", "over_blocks", "unblock"]
 
 
 def over_blocks(block, prepared, traced, shared, valid, set_axes=None):
@@ -104,8 +101,3 @@ def unblock(g, n_rows: int, lead: int = 0):
     (``lead``: 1 with a leading axis of parameter sets, else 0)."""
     g = g.reshape(g.shape[:lead] + (g.shape[lead] * g.shape[lead + 1],) + g.shape[lead + 2:])
     return g[(slice(None),) * lead + (slice(0, n_rows),)]
-
-
-def take_blocks(traced, set_axes, start, stop):
-    """Blocks ``[start:stop]`` of each traced leaf (its block axis after any set axis)."""
-    return tuple(x[:, start:stop] if a == 0 else x[start:stop] for x, a in zip(traced, set_axes))

@@ -21,10 +21,10 @@ import jax
 
 from .chunking import AdaptiveChunker
 from .identity import frozen
-from .spec import Program, SiteSpec, host_device
-from .tasks import Resident
+from .spec import Program, SiteSpec
+from .tasks import Resident, host_device
 
-__all__ = ["MAX_SITES", "MAX_SITE_BYTES", "Resident", "SiteCache", "SiteState", "run_eagerly"]
+__all__ = ["MAX_SITES", "MAX_SITE_BYTES", "SiteCache", "SiteState", "run_eagerly"]
 
 #: An executor keeps at most this many sites, and prepared data of at most this many
 #: bytes (the most recent site always stays), least recently used out first.
@@ -119,10 +119,6 @@ class SiteState:
                     self._prepared = run_eagerly(program.prepare, self._resident_leaves)
                     self._resident_leaves = ()  # the prepared blocks replace them
         return self._prepared
-
-    def resident(self) -> Resident:
-        """The prepared data on the host CPU device (for host-path chunks here)."""
-        return self.prepare_host()[1]
 
     def prepare_host(self) -> tuple:
         """``(program, resident)`` for host-path tasks in this process, made once and

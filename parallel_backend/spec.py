@@ -28,10 +28,10 @@ from jax import lax
 from .blocks import BlockPlan, TilePlan, tree_sum
 from .forms import blocks_pool
 from .hoist import Split, calls_fn, known_function, split_known, unknown_function
-from .sets import block_axis, over_blocks, take_blocks, unblock
-from .tasks import host_device, pad_blocks, program_key
+from .sets import over_blocks, unblock
+from .tasks import block_axis, host_device, pad_blocks, program_key, take_blocks
 
-__all__ = ["Partials", "Program", "SiteSpec", "combine", "host_device", "pad_blocks"]
+__all__ = ["Partials", "Program", "SiteSpec", "combine"]
 
 class SiteSpec(NamedTuple):
     """The static description of one ``reduce_sum`` call site (picklable with cloudpickle).

@@ -71,11 +71,8 @@ class Evaluation(NamedTuple):
 
     def blocks(self, a: int, b: int) -> tuple:
         """The traced leaves' blocks ``[a, b)`` (absolute block numbers)."""
-        lo, hi = a - self.first, b - self.first
-        if self.in_axes is None:
-            return tuple(x[lo:hi] for x in self.traced)
-        return tuple(x[:, lo:hi] if ax == 0 else x[lo:hi]
-                     for x, ax in zip(self.traced, self.in_axes[0]))
+        axes = self.in_axes[0] if self.in_axes is not None else (None,) * len(self.traced)
+        return take_blocks(self.traced, axes, a - self.first, b - self.first)
 
     def restrict(self, a: int, b: int) -> Evaluation:
         """The same evaluation with only blocks ``[a, b)`` of the traced leaves (what a
@@ -203,6 +200,16 @@ def host_device():
     if not _HOST:
         _HOST.append(jax.devices("cpu")[0])
     return _HOST[0]
+
+
+def block_axis(set_axis) -> int:
+    """Where a leaf's block axis is: after its set axis (``0``), else first."""
+    return 1 if set_axis == 0 else 0
+
+
+def take_blocks(traced, set_axes, start, stop):
+    """Blocks ``[start:stop]`` of each traced leaf (its block axis after any set axis)."""
+    return tuple(x[:, start:stop] if a == 0 else x[start:stop] for x, a in zip(traced, set_axes))
 
 
 def pad_blocks(x, plan, axis: int = 0, xp=np):
