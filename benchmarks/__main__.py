@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                         "chains do (0: one set, no vmap)")
     p.add_argument("--dask-workers", type=int, default=0,
                    help="also time DaskExecutor on a local cluster of this many processes")
+    p.add_argument("--dask-threads", type=int, default=1,
+                   help="threads per process of that local cluster (W processes of C threads "
+                        "stand for W machines of C cores)")
     p.add_argument("--dask-address", default=None,
                    help="also time DaskExecutor on the scheduler at this address")
 

@@ -171,7 +171,8 @@ def _gradients_of(args, env, wanted, model, make, n) -> list:
             ex.close()
     settings = {"loop": args.loop, "sets": args.sets}
     if "dask" in executors or "dask_host" in executors:
-        settings["dask"] = args.dask_address or f"local, {args.dask_workers} workers"
+        settings["dask"] = args.dask_address or (f"local, {args.dask_workers} workers"
+                                                   f" x {args.dask_threads} threads")
     return _gradient_records(env, "gradients", model, n, args.dtype, med, args.rounds,
                              settings, info)
 
@@ -182,7 +183,8 @@ def _gradient_executors(wanted, args) -> dict:
     out = {k: made[k]() for k in wanted if k in made}
     if "dask" in wanted or "dask_host" in wanted:
         dask = (pb.DaskExecutor(address=args.dask_address) if args.dask_address
-                else pb.DaskExecutor(n_workers=args.dask_workers))
+                else pb.DaskExecutor(n_workers=args.dask_workers,
+                                     threads_per_worker=args.dask_threads))
         if "dask" in wanted:
             out["dask"] = dask
         if "dask_host" in wanted:
