@@ -13,6 +13,8 @@ checks of a model that was given its observations). Imports jax, numpy and numpy
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +65,8 @@ class ObservedRows(Distribution):
     (subsampled or not) or over a later batch dim is already summed over, and its scale
     multiplies the sum as it multiplies the plain site's. ``mask`` with a scalar or an
     array of flags that broadcasts to ``rows_batch`` (``numpyro.handlers.mask``) masks
-    rows inside the ``reduce_sum``.
+    rows inside the ``reduce_sum``. ``numpyro.infer.log_likelihood`` alone gets the rows'
+    values (:meth:`pointwise`, see :func:`asked_by_log_likelihood`).
     """
 
     pytree_data_fields = ("data", "shared", "obs", "row_mask")
@@ -122,14 +125,21 @@ class ObservedRows(Distribution):
                              f"{self.unhonoured}, which does not lie within the site's batch "
                              f"shape {self.rows_batch}")
         if value is not self.obs:  # not the site's own observations: the plain sum
-            lp = self.full().log_prob(value)
-            if self.row_mask is not None:
-                lp = jnp.where(self.row_mask, lp, jnp.zeros((), lp.dtype))
-            return jnp.sum(lp)
+            return jnp.sum(self.pointwise(value))
+        if asked_by_log_likelihood():
+            return self.pointwise(value)
         inputs = self.inputs
         return pb.reduce_sum(inputs["fn"], inputs["data"], *self.shared,
                              executor=self.executor, grainsize=self.grainsize,
                              block_rows=self.block_rows)
+
+    def pointwise(self, value):
+        """``dist_fn(data, *shared).log_prob(value)`` with masked rows at zero: the plain
+        site's log-density of each row, shape ``rows_batch`` (in the caller's program)."""
+        lp = self.full().log_prob(value)
+        if self.row_mask is not None:
+            lp = jnp.where(self.row_mask, lp, jnp.zeros((), lp.dtype))
+        return lp
 
     def sample(self, key, sample_shape=()):
         return self.full().sample(key, sample_shape)
@@ -150,6 +160,28 @@ class ObservedRows(Distribution):
         if self.row_mask is not None:
             full = full & self.row_mask
         return self._replace(row_mask=full)
+
+
+#: Where ``numpyro.infer.log_likelihood`` calls ``log_prob``: its inner function.
+LOG_LIKELIHOOD_CALLER = ("numpyro.infer.util", "single_loglik")
+
+
+def asked_by_log_likelihood(depth: int = 4) -> bool:
+    """Whether ``numpyro.infer.log_likelihood`` (and so ArviZ's ``from_numpyro``) is
+    calling ``ObservedRows.log_prob``: it wants the rows' values, where every other caller
+    (``log_density``, the ELBOs) sums what ``log_prob`` returns. NumPyro calls ``log_prob``
+    the same way in both, so the caller's frame is the one difference: its inner function
+    ``single_loglik``, found within ``depth`` frames of ``log_prob``'s caller (Python 3.11
+    puts the dict comprehension's frame between them)."""
+    frame = sys._getframe(2)  # log_prob's caller
+    module, function = LOG_LIKELIHOOD_CALLER
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=None,

@@ -493,13 +493,54 @@ def test_pb_log_likelihood_equals_numpyros(model, executor, precision):
     np.testing.assert_allclose(got["y"], want, rtol=rtol_of_precision(), atol=1e-6)
 
 
-def test_numpyro_log_likelihood_is_the_sum_per_draw(executor, precision):
-    """``numpyro.infer.log_likelihood`` sees the site as one term per draw (as for
-    ``numpyro.factor``): the plain model's rows summed."""
+def test_numpyro_log_likelihood_is_pointwise(executor, precision):
+    """``numpyro.infer.log_likelihood`` (what ArviZ's ``from_numpyro`` calls) gives the plain
+    model's values per row, shape (draws, rows), for a ``pb.observe`` site; a ``pb.factor``
+    site is one term per draw, as ``numpyro.factor`` is."""
     X, y = make_data()
-    want = numpyro.infer.log_likelihood(plain, posterior_draws(), X, y)["y"].sum(-1)
+    want = numpyro.infer.log_likelihood(plain, posterior_draws(), X, y)["y"]
     got = numpyro.infer.log_likelihood(observed, posterior_draws(), X, y, executor=executor)
-    np.testing.assert_allclose(got["y"], want, rtol=rtol_of_precision())
+    assert got["y"].shape == want.shape == (8, N)
+    np.testing.assert_allclose(got["y"], want, rtol=rtol_of_precision(), atol=1e-6)
+    by_chain = {k: v.reshape((2, 4) + v.shape[1:]) for k, v in posterior_draws().items()}
+    got2 = numpyro.infer.log_likelihood(observed, by_chain, X, y, executor=executor,
+                                        batch_ndims=2)["y"]
+    np.testing.assert_array_equal(np.reshape(got2, (8, N)), got["y"])
+    summed = numpyro.infer.log_likelihood(factored, posterior_draws(), X, y, executor=executor)
+    np.testing.assert_allclose(summed["y"], want.sum(-1), rtol=rtol_of_precision())
+
+
+def test_log_density_still_sums_after_log_likelihood(executor, precision):
+    """The pointwise answer is for ``log_likelihood`` alone: ``log_density`` of the same
+    model (and its gradient) is still the parallel sum, equal to the plain model's."""
+    X, y = make_data()
+    draw = {k: v[0] for k, v in posterior_draws().items()}
+    numpyro.infer.log_likelihood(observed, posterior_draws(), X, y, executor=executor)
+    got = log_density(observed, (X, y), {"executor": executor}, draw)[0]
+    want = log_density(plain, (X, y), {}, draw)[0]
+    assert jnp.shape(got) == ()
+    np.testing.assert_allclose(got, want, rtol=rtol_of_precision())
+
+
+def test_arviz_from_numpyro_of_a_pb_observe_model(executor):
+    """ArviZ's own ``from_numpyro`` reads the log-likelihood through
+    ``numpyro.infer.log_likelihood``: for a ``pb.observe`` site it gets the plain model's
+    values per row (chain, draw, rows), and LOO runs on them."""
+    az = pytest.importorskip("arviz")
+    from helpers import loo_elpd, run_groups
+
+    X, y = make_data()
+    mcmc = MCMC(NUTS(observed, max_tree_depth=3), num_warmup=30, num_samples=50, num_chains=2,
+                chain_method="sequential", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(2), X, y, executor=executor)
+    run = az.from_numpyro(mcmc, log_likelihood=True)
+    got = run_groups(run)["log_likelihood"]["y"]
+    want = numpyro.infer.log_likelihood(plain, mcmc.get_samples(group_by_chain=True), X, y,
+                                        batch_ndims=2)["y"]
+    assert got.shape == want.shape == (2, 50, N)
+    np.testing.assert_allclose(got.values, want, rtol=rtol_of_precision(), atol=1e-6)
+    elpd, n = loo_elpd(run, "y")
+    assert n == N and np.isfinite(elpd)
 
 
 def test_initialize_model_equals_plain(executor, precision):
