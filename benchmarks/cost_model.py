@@ -30,7 +30,9 @@ where the compute per evaluation falls to the fixed part (``ping + e0 + e1 W``):
     python benchmarks/cost_model.py \\
         --overhead benchmarks/results/netcluster_overhead_2026-11-26.jsonl \\
         --hosts benchmarks/results/netcluster_hosts_2026-11-26.jsonl \\
-        --nuts benchmarks/results/netcluster_nuts_2026-11-26.jsonl [--plot out.png]
+        --nuts benchmarks/results/netcluster_nuts_2026-11-26.jsonl [--plot out.png] \\
+        [--one-machine benchmarks/results/dask_16core_2026-11-26.jsonl \\
+         --scaling benchmarks/results/h100_16core_after_core_2026-11-26.jsonl]
 
 Prints markdown tables (the ones in docs/cluster.md).
 """
@@ -149,12 +151,40 @@ def seed_table(c_row, steps, e0, e1, bytes_host, rtts=(0.2e-3, 1e-3, 5e-3), bw=1
     return out
 
 
+def one_machine_table(dask_recs, scaling_recs, e0, e1, ping=0.1e-3, block_rows=250):
+    """The model against ``DaskExecutor`` on one 16-core machine (``W`` worker processes of
+    ``C`` threads over loopback, ``python -m benchmarks gradients --dask-workers W
+    --dask-threads C``): all ``T = W C`` threads share the machine, so each runs at
+    ``s(T) / T`` of one core; ``c_row`` is ``ThreadExecutor(1, "host")`` on one pinned core
+    of the same machine (``python -m benchmarks scaling``), per row."""
+    one = next(r for r in scaling_recs if r["variant"] == "thread_host"
+               and r["settings"]["workers"] == 1)
+    c_row = one["seconds"] / one["rows"]
+    out = []
+    for r in dask_recs:
+        if r["variant"] != "dask_host":
+            continue
+        words = r["settings"]["dask"].split()  # "local, W workers[ x C threads]"
+        w = int(words[1])
+        c = int(words[4]) if len(words) > 4 else 1
+        blocks = -(-r["rows"] // block_rows)
+        per_thread = -(-blocks // (w * c))
+        comp = per_thread * block_rows * c_row * (w * c) / speedup(w * c)
+        fixed = ping + e0 + e1 * w
+        out.append({"W": w, "C": c, "measured_ms": r["seconds"] * 1e3,
+                    "model_ms": (fixed + comp) * 1e3, "fixed_ms": fixed * 1e3,
+                    "plain_ratio": r["ratio"]})
+    return c_row, out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--overhead", required=True)
     ap.add_argument("--hosts")
     ap.add_argument("--nuts", required=True)
     ap.add_argument("--plot")
+    ap.add_argument("--one-machine", help="records of DaskExecutor W x C on one 16-core machine")
+    ap.add_argument("--scaling", help="thread-scaling records of that machine (c_row)")
     a = ap.parse_args(argv)
     overhead = load(a.overhead)
     hosts_recs = load(a.hosts) if a.hosts else []
@@ -200,6 +230,18 @@ def main(argv=None):
         print(f"| {r['sequences']:,} | {r['executor']} | {r['seconds']:.1f} | "
               f"{r['leapfrog_steps']:,} | {r['seconds_per_step'] * 1e3:.1f} | {model} | "
               f"{r['bitwise_equal_serial']} |")
+
+    if a.one_machine and a.scaling:
+        c16, rows = one_machine_table(load(a.one_machine), load(a.scaling), e0, e1)
+        print(f"\nOne 16-core machine, HMM 50,000, W processes x C threads (c_row = "
+              f"{c16 * 1e6:.2f} us per sequence on one of its cores; loopback ping 0.1 ms)")
+        print("| W x C | measured ms | model ms | model / measured | fixed ms in the model "
+              "| measured vs plain |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for t in rows:
+            print(f"| {t['W']} x {t['C']} | {t['measured_ms']:.1f} | {t['model_ms']:.1f} | "
+                  f"{t['model_ms'] / t['measured_ms']:.2f} | {t['fixed_ms']:.1f} | "
+                  f"{t['plain_ratio']:.2f}x |")
 
     table = seed_table(c_row_seed, steps, e0, e1, bytes_host)
     print(f"\nSeed's full problem: {SEED['sequences']:,} sequences, {SEED['iterations']:,} "
