@@ -3,12 +3,14 @@
 This module owns the client side of one evaluation: group the chunks by the
 worker that holds their shard of the data (:mod:`.placement`), send each worker
 one message with the traced values of its chunks and the shared parameters
-(:mod:`.protocol`), install data a worker lacks, and re-assign the chunks of a
-worker that died to those that remain (:mod:`.cluster`). Since every block is
-computed by the same code on the same prepared data, a re-assigned chunk gives
-the same bits. With no worker left, an evaluation fails after ``timeout``; with the
-scheduler gone, at once (or once the client's reconnection times out), with a
-``ConnectionError`` that names the scheduler and says what to do.
+(:mod:`.protocol`), install data a worker lacks, re-assign the chunks of a
+worker that died to those that remain (:mod:`.cluster`), and tell the placement
+what each worker's message and compute took, so that it can give faster workers
+more of the data. Since every block is computed by the same code on the same
+prepared data, a re-assigned or re-placed chunk gives the same bits. With no
+worker left, an evaluation fails after ``timeout``; with the scheduler gone, at
+once (or once the client's reconnection times out), with a ``ConnectionError``
+that names the scheduler and says what to do.
 
 A site's spec and data stay on the workers while the executor caches the site. When
 it leaves the cache, the workers are told to forget them (a message to every worker
@@ -26,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 import uuid
 import weakref
 
@@ -82,6 +85,11 @@ class DaskExecutor(Executor):
         the cluster.
     count_calls : bool
         See :class:`~parallel_backend.Executor`.
+    rebalance : bool
+        Move data between workers after measuring them, so that a worker behind a slow
+        link or with slower threads holds fewer blocks (see :mod:`.placement`);
+        ``False`` keeps the data where it was first placed, in proportion to the
+        workers' threads. Results are bitwise the same either way.
 
     Examples
     --------
@@ -95,13 +103,15 @@ class DaskExecutor(Executor):
 
     def __init__(self, client=None, address=None, *, timeout: float = 10.0,
                  n_workers: int | None = None, threads_per_worker: int = 1,
-                 dispatch: str = "auto", count_calls: bool = False):
+                 dispatch: str = "auto", count_calls: bool = False, rebalance: bool = True):
         if client is not None and address is not None:
             raise ValueError("DaskExecutor: give client= or address=, not both")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"DaskExecutor: timeout must be a positive number of seconds, got {timeout!r}")
         super().__init__(dispatch=dispatch, count_calls=count_calls)
         self.timeout = float(timeout)
+        self.rebalance = bool(rebalance)
+        self._replacements = 0
         self._cluster = None
         self._own_client = client is None
         if client is not None:
@@ -120,8 +130,8 @@ class DaskExecutor(Executor):
         # still evaluates, kept only as long as the SiteState lives (see _remote).
         self._retired = weakref.WeakSet()
         self._revived = weakref.WeakKeyDictionary()
-        # (data token, shards) -> shard placement, shared by every site over the same data,
-        # so a re-traced model finds its data where it was sent before.
+        # (data token, tiles) -> Layout, shared by every site over the same data, so a
+        # re-traced model finds its data where it was sent before.
         self._placements: dict = {}
         # Reentrant: a SiteState's finalizer (in _remote) may run, by garbage collection,
         # on a thread that holds it.
@@ -179,8 +189,8 @@ class DaskExecutor(Executor):
             return r
 
     def _new_remote(self, state) -> RemoteSite:
-        r = RemoteSite(state, self.workers)
-        r.placement = self._placements.setdefault((r.data_token, len(r.shards)), r.placement)
+        r = RemoteSite(state)
+        r.layout = self._placements.setdefault((r.data_token, r.tiles), r.layout)
         return r
 
     def run_tasks(self, tasks):
@@ -199,20 +209,16 @@ class DaskExecutor(Executor):
                 self._forget(r)
 
     def _map_chunks(self, r: RemoteSite, state, chunks, evaluation):
-        tiles = state.spec.tiles
-        per = max(1, max(c.count for c in chunks) // tiles.tile_blocks) if chunks else 1
-        # Chunks never straddle shards: each shard's data lives on one worker.
-        tasks = [(i, c) for i, s in enumerate(r.shards) for c in chunks_within(tiles, s, per)]
+        per = max(1, max(c.count for c in chunks) // r.tiles.tile_blocks) if chunks else 1
         self._live.check()
         try:
-            results = self._client.sync(self._run, r, tasks, evaluation)
+            return self._client.sync(self._run, r, per, evaluation)
         except (OSError, CommClosedError, RuntimeError) as e:
             # Failures of a client that lost its scheduler (its connection pool closes
             # under the evaluation) are that loss, whatever they say.
             if isinstance(e, ChunkError) or self._client.status == "running":
                 raise
             raise cluster.scheduler_lost(self._live.scheduler_address, e) from e
-        return [results[t] for t in tasks]
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
         return 0  # counted message by message in _call
@@ -263,16 +269,25 @@ class DaskExecutor(Executor):
             pending = list(self._releasing)
         concurrent.futures.wait(pending, timeout)
 
-    async def _run(self, r: RemoteSite, tasks, evaluation) -> dict:
+    async def _run(self, r: RemoteSite, per: int, evaluation) -> list:
+        """The results of every chunk of ``per`` tiles, in block order."""
+        t0 = time.perf_counter()
         done: dict = {}
-        pending = list(tasks)
         # The workers last seen; the scheduler is asked again only after a failure
         # (asking costs a scheduler round trip per call).
         alive = dict(self._live.nthreads)
+        layout = r.layout
+        if not layout.shards:
+            layout.start(alive or await self._live.wait())
+        # This evaluation's layout, whatever another evaluation decides meanwhile.
+        shards, owners = layout.shards, layout.owners
+        # Chunks never straddle shards: each shard's data lives on one worker.
+        tasks = [(s, c) for s in shards for c in chunks_within(r.tiles, s, per)]
+        pending = list(tasks)
         for _ in range(MAX_ROUNDS):
             if not alive:
                 alive = await self._live.wait()
-            groups = assign(r, pending, alive)
+            groups = assign(shards, owners, pending, alive)
             outcomes = await asyncio.gather(
                 *[self._call(addr, r, group, evaluation) for addr, group in groups.items()],
                 return_exceptions=True)
@@ -286,10 +301,14 @@ class DaskExecutor(Executor):
                 elif isinstance(out, BaseException):
                     raise out
                 else:
-                    done.update(zip(group, out))
+                    results, wall = out
+                    done.update(zip(group, results))
+                    layout.observe(shards, addr, alive.get(addr, 1), group, results, wall)
             pending = [t for t in tasks if t not in done]
             if not pending:
-                return done
+                if self.rebalance and layout.evaluated(shards, time.perf_counter() - t0, alive):
+                    self._replacements += 1
+                return [done[t] for t in tasks]
             if lost:
                 alive = await self._live.alive()
         raise RuntimeError(f"DaskExecutor: workers of {self.scheduler_address} kept failing; "
@@ -297,12 +316,12 @@ class DaskExecutor(Executor):
 
     def _lose(self, addr: str) -> None:
         self._live.lose(addr)
-        for placement in self._placements.values():
-            for i, a in enumerate(placement):
-                if a == addr:
-                    placement[i] = None
+        for layout in self._placements.values():
+            layout.lose(addr)
 
     async def _call(self, addr, r: RemoteSite, group, evaluation):
+        """``(results, seconds)`` of ``group`` on ``addr``: seconds of the message that
+        computed them, ``None`` where data had to be installed first."""
         ev = evaluation
         payload = [(shard, chunk, ev.blocks(chunk.first, chunk.first + chunk.count))
                    for shard, chunk in group]
@@ -311,10 +330,11 @@ class DaskExecutor(Executor):
         shared = tuple(np.asarray(s) for s in ev.shared)
         args = cloudpickle.dumps((self._plugin, r.token, r.data_token, payload, shared,
                                   ev.diff_traced, ev.diff_shared, ev.in_axes))
-        for _ in range(INSTALL_ATTEMPTS):
+        for attempt in range(INSTALL_ATTEMPTS):
+            t0 = time.perf_counter()
             reply = await self._send(addr, _EVALUATE, args)
             if reply.status == OK:
-                return reply.results
+                return reply.results, (time.perf_counter() - t0 if attempt == 0 else None)
             if reply.status == ERROR:
                 raise ChunkError.wrap(reply.error, reply.error.rows, r.label, self.name)
             if reply.status == GONE:
@@ -364,10 +384,19 @@ class DaskExecutor(Executor):
     def stats(self) -> dict:
         """As :meth:`Executor.stats <parallel_backend.Executor.stats>`, plus
         ``worker_failures``, ``data_bytes_sent`` (data installed on workers, included
-        in ``bytes_sent``), ``scheduler`` and ``dashboard``."""
+        in ``bytes_sent``), ``replacements`` (times data was moved to weigh the workers),
+        ``blocks_per_worker`` (address -> blocks it holds, over the sites cached now),
+        ``scheduler`` and ``dashboard``."""
         out = super().stats()
         out["worker_failures"] = self._live.failures
         out["data_bytes_sent"] = self._data_bytes
+        out["replacements"] = self._replacements
+        held: dict = {}
+        with self._remote_lock:
+            for layout in self._placements.values():
+                for s, a in zip(layout.shards, layout.owners):
+                    held[a] = held.get(a, 0) + s.count
+        out["blocks_per_worker"] = held
         out["scheduler"] = None if self.closed else self.scheduler_address
         out["dashboard"] = None if self.closed else self._dashboard
         return out

@@ -3,10 +3,11 @@
 This module owns :class:`WorkerState`, a ``distributed.WorkerPlugin`` that holds,
 per worker, the call sites (their specs, sent once, cloudpickled, and the block
 computations rebuilt from them), the shards of prepared data that live there
-(sent once, keyed by content), and a thread pool that runs chunks. The client
-reaches it with :func:`evaluate` and :func:`install`, called straight on the
-worker (see :mod:`.protocol`), and with :func:`release` when a site leaves its
-cache; :func:`holdings` says what a worker keeps.
+(sent once, keyed by content and blocks; a shard cut from one held here is served
+from it, so a worker whose share shrank receives nothing), and a thread pool that
+runs chunks. The client reaches it with :func:`evaluate` and :func:`install`,
+called straight on the worker (see :mod:`.protocol`), and with :func:`release`
+when a site leaves its cache; :func:`holdings` says what a worker keeps.
 
 Imports the core's interface, jax (lazily, after the environment is set),
 numpy, cloudpickle and distributed.
@@ -65,7 +66,7 @@ class WorkerState(WorkerPlugin):
                                        thread_name_prefix="parallel_backend_dask")
         self.specs: dict = {}  # site token -> SiteSpec
         self.sites: dict = {}  # site token -> Program, built at the site's first chunk
-        self.shards: dict = {}  # (data token, shard) -> Resident
+        self.shards: dict = {}  # (data token, shard: its first block and count) -> Resident
         self.lock = threading.Lock()
 
     def teardown(self, worker) -> None:
@@ -79,7 +80,16 @@ class WorkerState(WorkerPlugin):
     def missing(self, token, data_token, shards) -> tuple[bool, tuple]:
         """Whether the site is missing, and which data shards are."""
         return token not in self.specs, tuple(sorted({s for s in shards
-                                                      if (data_token, s) not in self.shards}))
+                                                      if self.find(data_token, s) is None}))
+
+    def find(self, data_token, shard):
+        """The data held here that covers ``shard`` (first block, count): that shard, or
+        one it was cut from when the client placed the data again; ``None`` if neither."""
+        resident = self.shards.get((data_token, shard))
+        if resident is None:
+            resident = next((r for (d, held), r in self.shards.items()
+                             if d == data_token and _covers(held, shard)), None)
+        return resident
 
     def drop(self, tokens, data_tokens) -> None:
         """Forget sites and the shards of data their client no longer uses. Dropped, not
@@ -105,6 +115,11 @@ class WorkerState(WorkerPlugin):
         x64 = self.specs[token].x64
         for shard, first, arrays in pieces:
             self.shards[(data_token, shard)] = Resident(arrays, first, x64)
+        # What a new, larger shard covers is held twice: keep the larger one.
+        new = [p[0] for p in pieces]
+        for key in [k for k in self.shards if k[0] == data_token and k[1] not in new
+                    and any(_covers(s, k[1]) for s in new)]:
+            del self.shards[key]
 
     def program(self, token, spec):
         """The block computations of a site, traced here at its first chunk (where an
@@ -137,6 +152,11 @@ class WorkerState(WorkerPlugin):
             shards = list(self.shards.values())
             return {"sites": len(self.specs), "programs": len(self.sites),
                     "shards": len(shards), "bytes": sum(r.nbytes for r in shards)}
+
+
+def _covers(outer, inner) -> bool:
+    """Whether the blocks of shard ``outer`` include those of ``inner`` (first, count)."""
+    return outer[0] <= inner[0] and inner[0] + inner[1] <= outer[0] + outer[1]
 
 
 class WithPrecision:
@@ -184,7 +204,7 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
     # Looked up here, on the worker's event loop, where release() runs too: a site
     # released while its chunks run keeps what they use until they finish.
     spec = state.specs[token]
-    residents = {t[0]: state.shards[(data_token, t[0])] for t in tasks}
+    residents = {t[0]: state.find(data_token, t[0]) for t in tasks}
     loop = asyncio.get_running_loop()
     futures = [loop.run_in_executor(state.pool, state.run_task, token, spec, residents[task[0]],
                                     task, shared, diff_traced, diff_shared, in_axes)
