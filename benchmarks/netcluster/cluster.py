@@ -110,6 +110,9 @@ class NetCluster:
                  scheduler_rate=None, python: str | None = None, lifetime: float = 1800.0,
                  lock_wait: float = 600.0, start_timeout: float = 90.0,
                  keep_logs: bool = False):
+        why = net.missing()
+        if why:  # before anything is made, so there is nothing to take down
+            raise RuntimeError(f"netcluster: cannot start a simulated cluster here: {why}")
         self.python = python or sys.executable
         self.keep_logs = keep_logs
         self.lifetime = float(lifetime)
@@ -161,9 +164,11 @@ class NetCluster:
                     p.wait(timeout=5)
         self.hosts.clear()
         if self._lock is not None:
-            net.clean()
-            self._lock.close()
-            self._lock = None
+            try:
+                net.clean()
+            finally:
+                self._lock.close()
+                self._lock = None
         if not self.keep_logs:  # a failure to start quotes them in its error
             shutil.rmtree(self.logs, ignore_errors=True)
 

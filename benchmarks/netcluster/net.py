@@ -6,7 +6,9 @@ what a crashed run left behind, and nothing else. Addresses are the project's ow
 hosts, ``10.77.0.0/24``: the client's side of the bridge is ``10.77.0.1``; nothing is
 routed beyond that subnet (no default route, no forwarding, the host's own interfaces
 and routes untouched). Bandwidth is a ``tbf`` qdisc on both ends of a host's veth pair.
-Needs root and ``ip``/``tc`` (iproute2); :func:`unavailable` says why not.
+Needs root and ``ip``/``tc`` (iproute2): :func:`missing` says what is not there (cheap),
+:func:`unavailable` also tries to make a namespace. Where the tools are missing, nothing
+of ours can exist: :func:`clean` and :func:`namespaces` find nothing.
 """
 
 from __future__ import annotations
@@ -25,22 +27,40 @@ CLIENT_IP = f"{SUBNET}.1"
 MAX_HOSTS = 40
 
 
+#: The commands the simulated cluster runs, and the package of each.
+TOOLS = (("ip", "iproute2"), ("tc", "iproute2"), ("timeout", "coreutils"))
+
+
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """One ``ip``/``tc`` command, bounded in time; a failure says which command and why."""
-    p = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    except FileNotFoundError:
+        raise RuntimeError(f"netcluster: `{args[0]}` is not installed; {missing()}") from None
     if check and p.returncode != 0:
         raise RuntimeError(f"netcluster: `{' '.join(args)}` failed ({p.returncode}): "
                            f"{p.stderr.strip()}")
     return p
 
 
+def missing() -> str | None:
+    """What the simulated cluster needs and this machine lacks (root, the tools of
+    :data:`TOOLS`), in one sentence, or ``None``."""
+    lacking = [f"`{tool}` ({package})" for tool, package in TOOLS if shutil.which(tool) is None]
+    needs = (["root (network namespaces need it; this process is not root)"]
+             if os.geteuid() != 0 else [])
+    if lacking:
+        packages = sorted({p for t, p in TOOLS if shutil.which(t) is None})
+        needs.append(f"{', '.join(lacking)} on the PATH (install {' and '.join(packages)}, "
+                     f"e.g. `apt-get install {' '.join(packages)}`)")
+    return f"the simulated cluster needs {' and '.join(needs)}" if needs else None
+
+
 def unavailable() -> str | None:
     """Why namespaces cannot be made here (not root, no iproute2), or ``None``."""
-    if os.geteuid() != 0:
-        return "network namespaces need root (this process is not root)"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("timeout", "coreutils")):
-        if shutil.which(tool) is None:
-            return f"`{tool}` ({package}) is not installed"
+    why = missing()
+    if why:
+        return why
     probe = f"{PREFIX}-probe"
     made = run("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:
@@ -51,6 +71,8 @@ def unavailable() -> str | None:
 
 def namespaces() -> list[str]:
     """Our namespaces that exist now."""
+    if shutil.which("ip") is None:
+        return []
     out = run("ip", "netns", "list", check=False).stdout
     return sorted(line.split()[0] for line in out.splitlines()
                   if line.startswith(f"{PREFIX}-"))
@@ -80,8 +102,10 @@ def kill_namespace_processes(ns: str, wait: float = 5.0) -> None:
 
 def clean() -> list[str]:
     """Remove every namespace and link of ours, and the processes in them; returns what
-    was removed."""
+    was removed (nothing where ``ip`` is missing: then nothing of ours was made)."""
     removed = []
+    if shutil.which("ip") is None:
+        return removed
     for ns in namespaces():
         kill_namespace_processes(ns)
         run("ip", "netns", "del", ns, check=False)
