@@ -18,7 +18,8 @@ leaf: its rows travel every evaluation and its gradient comes back).
 8), each behind a 1 ms round trip: what one more host costs the client per evaluation.
 
 ``unequal``: a 1-thread and a 2-thread host, the first behind a slower link: what one
-slow host costs every evaluation (the measured case for latency-aware chunking).
+slow host costs every evaluation, with the data placed by threads (``rebalance=False``)
+and weighed by measured round trips and compute (the default), on the same cluster.
 
 ``nuts``: the seed's HMM (``parallel-backend demo``'s model and settings) with NUTS, on
 ``SerialExecutor`` and on the cluster, in the same run; the draws are compared bitwise.
@@ -246,8 +247,11 @@ def hosts(args) -> None:
 
 def unequal(args) -> None:
     """One evaluation when one host is behind a slower link: a 1-thread host and a 2-thread
-    host, both at 0 ms, then the 1-thread host at ``--rtt`` ms, then both at ``--rtt``."""
+    host, both at 0 ms, then the 1-thread host at ``--rtt`` ms, then both at ``--rtt``;
+    on each cluster every ``--placement`` (``threads``: data by threads, never moved;
+    ``weighted``: moved after measuring), alternated ``--rounds`` times."""
     import parallel_backend as pb
+    from parallel_backend.plugins.dask import placement as weigh
 
     from .cluster import NetCluster
 
@@ -256,20 +260,34 @@ def unequal(args) -> None:
     serial = make(pb.SerialExecutor())
     _warm(serial, fargs)
     serial_s = float(np.median(_time(serial, fargs, args.calls, args.budget)))
-    for slow_rtt, fast_rtt in ((0.0, 0.0), (args.rtt, 0.0), (args.rtt, args.rtt)):
+    # Past the first placement's measuring window and a re-placement's settling: the
+    # timed calls see the layout the executor settled on.
+    warm = 2 * (weigh.SETTLE + weigh.WINDOW) + weigh.SETTLE
+    cases = [(0.0, 0.0), (args.rtt, 0.0), (args.rtt, args.rtt)]
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
+    for slow_rtt, fast_rtt in cases:
         workers = [{"threads": 1, "rtt_ms": slow_rtt}, {"threads": 2, "rtt_ms": fast_rtt}]
-        with NetCluster(workers, lifetime=900) as c, \
-                pb.DaskExecutor(address=c.address, dispatch="host", timeout=60) as ex:
-            f = make(ex)
-            _warm(f, fargs)
-            pings = {h.name: ping(ex.client, h.address) for h in c.workers()}
-            t = _time(f, fargs, args.calls, args.budget)
-            rec = {"bench": "netcluster_unequal", "problem": name, "rate": "veth",
-                   "rtt_ms": {"w1": slow_rtt, "w2": fast_rtt}, "threads": {"w1": 1, "w2": 2},
-                   "hosts": 2, "workers": ex.workers, "calls": len(t),
-                   **_spread(t),
-                   "serial_seconds": serial_s, "ping_seconds": pings, **env}
-            _emit(rec, args.out)
+        with NetCluster(workers, lifetime=900) as c:
+            addresses = {h.address: h.name for h in c.workers()}
+            for _ in range(args.rounds):
+                for variant in args.placement.split(","):
+                    with pb.DaskExecutor(address=c.address, dispatch="host", timeout=60,
+                                         rebalance=variant == "weighted") as ex:
+                        f = make(ex)
+                        _warm(f, fargs, warm)
+                        pings = {h.name: ping(ex.client, h.address) for h in c.workers()}
+                        t = _time(f, fargs, args.calls, args.budget)
+                        s = ex.stats()
+                        held = {addresses.get(a, a): n for a, n in s["blocks_per_worker"].items()}
+                        rec = {"bench": "netcluster_unequal", "problem": name, "rate": "veth",
+                               "placement": variant, "replacements": s["replacements"],
+                               "blocks_per_host": held,
+                               "rtt_ms": {"w1": slow_rtt, "w2": fast_rtt},
+                               "threads": {"w1": 1, "w2": 2}, "hosts": 2,
+                               "workers": ex.workers, "calls": len(t), **_spread(t),
+                               "serial_seconds": serial_s, "ping_seconds": pings, **env}
+                        _emit(rec, args.out)
 
 
 def nuts(args) -> None:
@@ -357,6 +375,11 @@ def main(argv=None) -> None:
     u.add_argument("--sequences", type=int, default=3000)
     u.add_argument("--calls", type=int, default=30)
     u.add_argument("--budget", type=float, default=4.0)
+    u.add_argument("--placement", default="threads,weighted",
+                   help="threads (data by threads, never moved), weighted (measured)")
+    u.add_argument("--rounds", type=int, default=1, help="times each placement is measured")
+    u.add_argument("--cases", help="which links, e.g. 1 for the slow host only (0: both at "
+                                   "0 ms, 1: w1 at --rtt, 2: both at --rtt)")
     u.add_argument("--out")
     n = sub.add_parser("nuts")
     n.add_argument("--sizes", default="1000,3000")
