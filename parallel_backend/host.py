@@ -57,9 +57,16 @@ def assemble(program, results, batch: tuple, traced_shapes, shared_shapes):
     return values, tuple(g_shared), tuple(g_data)
 
 
-def partials(state, executor, grainsize, traced, shared, diff_traced, diff_shared):
+def partials(state, executor, grainsize, traced, shared, diff_traced, diff_shared,
+             tangents=((), ())):
     """The per-block partials of one evaluation through a ``jax.pure_callback`` (traced in
-    the caller's program): :func:`callback` runs :func:`evaluate` on the executor."""
+    the caller's program): :func:`callback` runs :func:`evaluate` on the executor.
+
+    With ``tangents`` (those of the traced and of the shared leaves ``diff_traced`` and
+    ``diff_shared`` mark) the partials are their tangents along them: per-block
+    Hessian-vector products (see :class:`~parallel_backend.tasks.Evaluation`). A batch of
+    tangents (``vmap``, as ``jax.hessian`` makes) reaches one callback."""
+    tan_t, tan_s = (tuple(x) for x in tangents)
     p = state.spec.plan
     shapes = (
         jax.ShapeDtypeStruct((p.n_blocks,), np.dtype(state.spec.value_dtype)),
@@ -68,10 +75,11 @@ def partials(state, executor, grainsize, traced, shared, diff_traced, diff_share
         tuple(jax.ShapeDtypeStruct((p.n_rows,) + jnp.shape(t)[1:], jnp.result_type(t))
               for t, d in zip(traced, diff_traced) if d),
     )
-    orig_ndims = tuple(jnp.ndim(x) for x in (*traced, *shared))
+    args = (*traced, *tan_t, *shared, *tan_s)
+    orig_ndims = tuple(jnp.ndim(x) for x in args)
     run = functools.partial(callback, executor, state, grainsize, diff_traced, diff_shared,
-                            orig_ndims, len(traced))
-    return jax.pure_callback(run, shapes, *traced, *shared, vmap_method="expand_dims")
+                            orig_ndims, len(traced) + len(tan_t))
+    return jax.pure_callback(run, shapes, *args, vmap_method="expand_dims")
 
 
 def callback(executor, state, grainsize, diff_traced, diff_shared, orig_ndims, n_traced,
@@ -113,7 +121,8 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
         raise ChunkError.wrap(e, e.rows, state.label, executor.name) from e.__cause__
     wall = time.perf_counter() - t0
     busy = sum(r.seconds for r in results)
-    if grainsize is None and results and not state.chunker.settled:
+    # The chunker learns from value-and-gradient evaluations only (what sampling runs).
+    if grainsize is None and results and not state.chunker.settled and evaluation.order == 1:
         overhead = max(wall * min(executor.workers, len(results)) - busy, 0.0) / len(results)
         for r in results:
             state.chunker.record(r.chunk.count, r.seconds, overhead)
@@ -123,6 +132,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
                        seconds_in_workers=busy,
                        bytes_sent=executor.bytes_per_call(traced, shared, len(results)))
     axes_s = in_axes[1] if in_axes is not None else (None,) * len(shared)
+    # Shapes of the leaves, not of the tangents after them: zip stops at the flags.
     shapes_t = [(_unbatched_shape(t, a)[1:], np.asarray(t).dtype)
                 for t, a, d in zip(traced, axes_t, diff_traced) if d]
     shapes_s = [(_unbatched_shape(s, a), np.asarray(s).dtype)

@@ -35,7 +35,7 @@ from .executors.registry import resolve_executor
 from .forms import detect_form, scan_reduce_per_row
 from .identity import site_key, snapshot
 from .internals import is_tracer
-from .second_order import blocked_sum, kept, value_and_grads_of
+from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
 from .site import SiteState
 from .spec import SiteSpec, combine
 
@@ -211,8 +211,8 @@ def _reduce(state, executor, grainsize, route, blocked):
         add = functools.partial(_add_zero, zero)
         return add(values), tuple(map(add, gs)), tuple(map(add, gd))
 
-    def host(traced, shared, dt, ds):
-        return host_path.partials(state, executor, grainsize, traced, shared, dt, ds)
+    def host(traced, shared, dt, ds, tangents=((), ())):
+        return host_path.partials(state, executor, grainsize, traced, shared, dt, ds, tangents)
 
     def graph(traced, shared, dt, ds, set_axes=None):  # set_axes: a batch, under vmap
         return executor.graph_partials(state, traced, shared, dt, ds, set_axes)
@@ -249,14 +249,44 @@ def _reduce(state, executor, grainsize, route, blocked):
         v, gs, gd = run(traced, shared, choice, dt, ds)
         return v, gd, gs
 
-    @value_and_grads.defjvp
     def value_and_grads_jvp(dt, ds, primals, tangents):
         traced, shared, choice = primals
-        tt, ts, _ = tangents
+        tt, ts = (tuple(None if isinstance(t, SymbolicZero) or not _is_float(x) else t
+                        for x, t in zip(xs, ts_)) for xs, ts_ in zip(primals[:2], tangents[:2]))
         out = value_and_grads(traced, shared, choice, dt, ds)
-        _, tan = jax.jvp(functools.partial(value_and_grads_of, blocked, dt, ds),
-                         (traced, shared), (tt, ts))
-        return out, tan
+        if route != "host":  # the graph's (a runtime choice's too): in the caller's program
+            return out, tangent_of(blocked, dt, ds, traced, shared, tt, ts)
+        return out, host_tangent(traced, shared, choice, dt, ds, tt, ts, out)
+
+    def host_tangent(traced, shared, choice, dt, ds, tt, ts, out):
+        """The tangent on the executor: per-block Hessian-vector products over the leaves
+        that have a gradient or a tangent (``ut``, ``us``), the gradients' taken out."""
+        ut = tuple(d or t is not None for d, t in zip(dt, tt))
+        us = tuple(d or t is not None for d, t in zip(ds, ts))
+        some = next(t for t in (*tt, *ts) if t is not None)  # the rule runs for one at least
+        along = tuple(tuple(linear_zeros(x, some) if t is None else t
+                            for x, t in zip(kept(xs, u), kept(ts_, u)))
+                      for xs, ts_, u in ((traced, tt, ut), (shared, ts, us)))
+
+        def apply(at, b):
+            _, hs, ht = combine(*host(*at, ut, us, b))
+            return tuple(ht), tuple(hs)
+
+        def twin(at, b):
+            _, ht, hs = tangent_of(blocked, ut, us, *at, merge((None,) * len(ut), b[0], ut),
+                                   merge((None,) * len(us), b[1], us))
+            return tuple(ht), tuple(hs)
+
+        ht, hs = symmetric_product(apply, twin, (traced, shared), along)
+        # The value's tangent: the gradients (of every leaf with a tangent) dotted with it.
+        g = out if (ut, us) == (dt, ds) else value_and_grads(traced, shared, choice, ut, us)
+        pairs = [*zip(g[1], kept(tt, ut)), *zip(g[2], kept(ts, us))]
+        v = out[0]
+        dv = functools.reduce(jnp.add, [jnp.sum(a * t).astype(v.dtype) for a, t in pairs
+                                        if t is not None], jnp.zeros_like(v))
+        return dv, tuple(kept(ht, kept(dt, ut))), tuple(kept(hs, kept(ds, us)))
+
+    value_and_grads.defjvp(value_and_grads_jvp, symbolic_zeros=True)
 
     @jax.custom_jvp
     def value(traced, shared, choice):

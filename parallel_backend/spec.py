@@ -205,9 +205,24 @@ class Program:
     # -- one block, and runs of blocks --------------------------------------------
 
     def _block(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-               masked=True) -> Partials:
+               masked=True, order=1) -> Partials:
         """One block's partials: its value, shared gradients, per-row gradients. A
-        ``masked`` block keeps its rows from ``valid`` on (padding) out of all three."""
+        ``masked`` block keeps its rows from ``valid`` on (padding) out of all three.
+
+        ``order=2``: ``traced`` and ``shared`` end with the tangents of the leaves
+        ``diff_traced``/``diff_shared`` mark, and the partials are the tangents of the
+        three along them (forward over reverse: a Hessian-vector product)."""
+        if order == 2:
+            n_t, n_s = len(diff_traced), len(diff_shared)
+            traced, tan_t, shared, tan_s = traced[:n_t], traced[n_t:], shared[:n_s], shared[n_s:]
+
+            def first(td, sd):
+                return self._block(prepared, _merge(traced, td, diff_traced),
+                                   _merge(shared, sd, diff_shared), valid, diff_traced,
+                                   diff_shared, masked)
+
+            return jax.jvp(first, (_kept(traced, diff_traced), _kept(shared, diff_shared)),
+                           (tuple(tan_t), tuple(tan_s)))[1]
         rows = self.spec.plan.block_rows
         raw, residuals = prepared[:self.n_raw], prepared[self.n_raw:]
         mask = jnp.arange(rows) < valid
@@ -230,22 +245,24 @@ class Program:
         return Partials(total(pointwise), tuple(gs), tuple(gt))
 
     def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-                masked: bool = False, tail=None, set_axes=None) -> Partials:
+                masked: bool = False, tail=None, set_axes=None, order: int = 1) -> Partials:
         """Every block of the given arrays (leading axis: blocks) in one ``vmap``, each
         ``masked`` or none; then, with ``tail`` (the padded last block's ``(prepared,
         traced, valid)``, an axis of one block each), that block alone, masked, after them.
         ``set_axes``: a batch of parameter sets, inside the blocks (see
-        :func:`.sets.over_blocks`); the outputs then lead with the sets.
+        :func:`.sets.over_blocks`); the outputs then lead with the sets. ``order``: see
+        :meth:`_block`.
 
         Only a padded block needs the mask, and the mask costs: the ``where`` that keeps
         padding out kept XLA from fusing the values into their sum (measured on a
         logistic regression; docs/performance.md).
         """
-        self.traces[("batched", int(valid.shape[0]), masked, tail is not None)] += 1
+        self.traces[(_KIND[order, "batched"], int(valid.shape[0]), masked,
+                     tail is not None)] += 1
 
         def run(p, t, v, m):
             block = functools.partial(self._block, diff_traced=diff_traced,
-                                      diff_shared=diff_shared, masked=m)
+                                      diff_shared=diff_shared, masked=m, order=order)
             return over_blocks(block, p, t, shared, v, set_axes)
 
         out = run(prepared, traced, valid, masked)
@@ -262,10 +279,11 @@ class Program:
         return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
 
     def looped(self, prepared, traced, shared, valid, first, count, length,
-               diff_traced, diff_shared) -> Partials:
+               diff_traced, diff_shared, order: int = 1) -> Partials:
         """Blocks ``[first, first + count)`` of ``prepared`` one per loop iteration (``traced``
-        and ``valid`` hold only those blocks), written to buffers of ``length`` blocks."""
-        self.traces[("looped", int(length))] += 1
+        and ``valid`` hold only those blocks), written to buffers of ``length`` blocks.
+        ``order``: see :meth:`_block`."""
+        self.traces[(_KIND[order, "looped"], int(length))] += 1
         rows = self.spec.plan.block_rows
         dtype = np.dtype(self.spec.value_dtype)
         values = jnp.zeros((length,), dtype)
@@ -279,7 +297,7 @@ class Program:
             p = tuple(lax.dynamic_index_in_dim(x, first + i, keepdims=False) for x in prepared)
             t = tuple(lax.dynamic_index_in_dim(x, i, keepdims=False) for x in traced)
             v = lax.dynamic_index_in_dim(valid, i, keepdims=False)
-            out = self._block(p, t, shared, v, diff_traced, diff_shared)
+            out = self._block(p, t, shared, v, diff_traced, diff_shared, order=order)
             return (values.at[i].set(out.values),
                     tuple(a.at[i].set(g) for a, g in zip(g_shared, out.shared_grads)),
                     tuple(a.at[i].set(g) for a, g in zip(g_data, out.data_grads)))
@@ -347,7 +365,8 @@ class Program:
 
     # -- the host path: compiled functions of whole tiles ---------------------------
 
-    def compiled(self, blocks: int, diff_traced, diff_shared, in_axes, last: bool = False):
+    def compiled(self, blocks: int, diff_traced, diff_shared, in_axes, last: bool = False,
+                 order: int = 1):
         """The jitted evaluation of ``blocks`` blocks (one or more whole tiles), cached.
 
         ``batched``: ``f(prepared, traced, shared, valid)`` on arrays of exactly those
@@ -356,29 +375,45 @@ class Program:
         :meth:`batched`). ``looped``: ``f(prepared, traced, shared, valid, first, count)``
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
         vmap axes of ``(traced, shared)`` under a batch of parameter sets, mapped inside
-        the blocks as in the graph path, or ``None`` (always for the looped form: see
-        :func:`.batching.set_batching`).
+        the blocks as in the graph path, or ``None`` (always for the looped form's values
+        and gradients: see :func:`.batching.set_batching`). ``order`` 2: Hessian-vector
+        products (see :meth:`_block`), a batch of tangents mapped inside the blocks in
+        either form.
         """
         split = last and self.split_tail
-        key = program_key(blocks, diff_traced, diff_shared, in_axes, split)
+        key = program_key(blocks, diff_traced, diff_shared, in_axes, split, order)
         if key in self.cache:
             return self.cache[key]
-        assert in_axes is None or self.spec.form != "looped", "a looped site runs one set at a time"
+        assert in_axes is None or self.spec.form != "looped" or order == 2, \
+            "a looped site runs one set at a time"
         if split:
             def run(prepared, traced, shared, valid, tail):
                 return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                    tail=tail, set_axes=in_axes)
+                                    tail=tail, set_axes=in_axes, order=order)
         elif self.spec.form == "batched":
             def run(prepared, traced, shared, valid):
                 return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                    set_axes=in_axes)
+                                    set_axes=in_axes, order=order)
         else:
             def run(prepared, traced, shared, valid, first, count):
-                return self.looped(prepared, traced, shared, valid, first, count, blocks,
-                                   diff_traced, diff_shared)
+                def one(traced, shared):
+                    return self.looped(prepared, traced, shared, valid, first, count, blocks,
+                                       diff_traced, diff_shared, order)
+
+                return one(traced, shared) if in_axes is None else jax.vmap(one, in_axes)(
+                    traced, shared)
         fn = jax.jit(run)
         with self._lock:
             return self.cache.setdefault(key, fn)
+
+
+#: The name a traced chunk program is counted under in ``Program.traces``.
+_KIND = {(1, "batched"): "batched", (2, "batched"): "batched hvp",
+         (1, "looped"): "looped", (2, "looped"): "looped hvp"}
+
+
+def _kept(xs, mask) -> tuple:
+    return tuple(x for x, m in zip(xs, mask) if m)
 
 
 def _merge(full, subset, mask):

@@ -50,14 +50,16 @@ class Evaluation(NamedTuple):
     traced : tuple
         Per traced data leaf: its blocks, ``(blocks, block_rows, *row)``, or
         ``(batch, blocks, block_rows, *row)`` where ``in_axes`` marks it batched; the
-        blocks from ``first`` on.
+        blocks from ``first`` on. In a Hessian-vector product (:attr:`order` 2) the
+        leaves ``diff_traced`` marks follow, each with its tangent, blocked the same way.
     shared : tuple
-        The shared leaves (a leading batch axis where ``in_axes`` says so).
+        The shared leaves (a leading batch axis where ``in_axes`` says so); in a
+        Hessian-vector product followed by the tangents of those ``diff_shared`` marks.
     diff_traced, diff_shared : tuple of bool
-        Which leaves get gradients.
+        Which leaves get gradients (one flag per leaf, tangents not counted).
     in_axes : tuple or None
-        ``(traced_axes, shared_axes)`` (0 or None per leaf) under a batch of parameter
-        sets (``vmap``), else ``None``.
+        ``(traced_axes, shared_axes)`` (0 or None per leaf, tangents included) under a
+        batch of parameter sets or of tangents (``vmap``), else ``None``.
     first : int
         The block that ``traced``'s block axis starts at.
     """
@@ -68,6 +70,15 @@ class Evaluation(NamedTuple):
     diff_shared: tuple
     in_axes: Any
     first: int = 0
+
+    @property
+    def order(self) -> int:
+        """1: value and gradients; 2: the tangent of value and gradients along the
+        tangents that follow the leaves (a Hessian-vector product per block). Told by
+        the leaves alone, so every executor that carries them carries the order."""
+        plain = (len(self.traced), len(self.shared)) == (len(self.diff_traced),
+                                                         len(self.diff_shared))
+        return 1 if plain else 2
 
     def blocks(self, a: int, b: int) -> tuple:
         """The traced leaves' blocks ``[a, b)`` (absolute block numbers)."""
@@ -228,9 +239,10 @@ def pad_blocks(x, plan, axis: int = 0, xp=np):
     return x.reshape(shape)
 
 
-def program_key(blocks: int, diff_traced, diff_shared, in_axes, split: bool) -> tuple:
+def program_key(blocks: int, diff_traced, diff_shared, in_axes, split: bool,
+                order: int = 1) -> tuple:
     """The key of a compiled chunk program in ``Program.cache``."""
-    return (blocks, diff_traced, diff_shared, in_axes, split)
+    return (blocks, diff_traced, diff_shared, in_axes, split, order)
 
 
 #: Chunk programs that may block a thread of XLA's CPU pool (``Program.blocks_pool``:
@@ -256,11 +268,14 @@ def run_task(task: Task) -> ChunkResult:
             a, b = chunk.first, chunk.first + chunk.count
             last = b == len(program.valid)
             split = last and program.split_tail
+            order = ev.order
+            # A looped site's sets run one at a time (see _looped), its tangents together.
+            axes = None if program.is_looped and order == 1 else ev.in_axes
             fn = program.cache.get(program_key(chunk.count, ev.diff_traced, ev.diff_shared,
-                                               None if program.is_looped else ev.in_axes, split))
+                                               axes, split, order))
             if fn is None:
-                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared,
-                                      None if program.is_looped else ev.in_axes, last)
+                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, axes, last,
+                                      order)
             if program.is_looped:
                 out = _looped(fn, program, resident, chunk, ev)
             elif split:  # the padded block apart (see Program.batched)
@@ -294,7 +309,7 @@ def _looped(fn, program, resident, chunk, ev: Evaluation):
                   np.int32(a - resident.first), np.int32(chunk.count))
 
     traced = ev.blocks(a, b)
-    if ev.in_axes is None:
+    if ev.in_axes is None or ev.order == 2:
         return call(traced, ev.shared)
     axes_t, axes_s = ev.in_axes
     k = next(x.shape[0] for x, ax in zip(traced + ev.shared, axes_t + axes_s) if ax == 0)

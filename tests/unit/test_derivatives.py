@@ -3,8 +3,10 @@ grad of grad, and ``vmap`` of them, against the same derivative of the unsplit s
 
 A directional derivative is the route's gradients dotted with the tangent, so first
 derivatives in forward mode are bitwise the same on every executor, as reverse-mode
-gradients are; second derivatives are per-block Hessian-vector products (JAX's autodiff
-of ``fn`` block by block), compared to round-off.
+gradients are; second derivatives are per-block Hessian-vector products, compared to
+round-off: on a host route computed by the executor's block programs (bitwise the same
+on every host executor, worker count and chunking), on the graph route by JAX's autodiff
+of ``fn`` block by block in the caller's program.
 """
 
 import sys
@@ -126,6 +128,82 @@ def test_second_derivatives_run_per_block(x64, make_problem):
     assert 1000 not in sizes and set(sizes) <= {BLOCK_ROWS, 1000 - 3 * BLOCK_ROWS}
 
 
+@pytest.mark.parametrize("name", ["random_effects", "hmm"])
+def test_cross_and_third_derivatives_match_unsplit_sum(x64, executor, make_problem,
+                                                       assert_close, name):
+    """Derivatives of one argument's gradient in the other (the gradient's leaves and the
+    tangent's differ), forward and reverse, and a third derivative."""
+    problem = make_problem(name, n=150)
+    split, unsplit = problem.split(executor, block_rows=64), problem.unsplit()
+
+    def two(f):  # f of two arguments: the row parameters and the rest, or two parameters
+        if problem.row_params:
+            return f, problem.args
+        first, *rest = problem.params
+        return (lambda a, b: f({}, (a, *b))), (first, tuple(rest))
+
+    (got_f, args), (want_f, _) = two(split), two(unsplit)
+    for outer in (jax.jacfwd, jax.jacrev):
+        got = jax.jit(outer(jax.grad(got_f, argnums=1), argnums=0))(*args)
+        want = jax.jit(outer(jax.grad(want_f, argnums=1), argnums=0))(*args)
+        assert_close(got, want, rtol=RTOL)
+    if name == "hmm":  # the third derivative of a scan per row: slow to compile, same rule
+        return
+    got = jax.jit(jax.jacfwd(jax.hessian(split, argnums=1), argnums=1))(*problem.args)
+    want = jax.jit(jax.jacfwd(jax.hessian(unsplit, argnums=1), argnums=1))(*problem.args)
+    assert_close(got, want, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", ["random_effects", "hmm"])
+def test_hessian_vector_products_are_bitwise_reproducible(x64, make_problem, assert_identical,
+                                                          fresh_executor, name):
+    """On a host route the per-block Hessian-vector products run as chunk tasks and are
+    combined in block order: the same bits on every executor, worker count and chunking,
+    batched (``jax.hessian``) or not, forward or reverse over reverse."""
+    problem = make_problem(name, n=1000)
+    t = tangents(problem.args)
+    outs = []
+    for ex, grainsize in [("serial-host", 256), ("serial-host", None), ("thread2-host", 512),
+                          ("thread2-host", None), ("thread4-host", 256)]:
+        f = problem.split(fresh_executor(ex), block_rows=BLOCK_ROWS, grainsize=grainsize)
+        grad = jax.grad(f, argnums=(0, 1))
+        outs.append((jax.jit(jax.hessian(f, argnums=1))(*problem.args),
+                     jax.jit(lambda a, t, grad=grad: jax.jvp(lambda *x: grad(*x), a, t))(
+                         problem.args, t),
+                     jax.jit(jax.jacrev(jax.grad(f, argnums=1), argnums=1))(*problem.args)))
+    for out in outs[1:]:
+        assert_identical(out, outs[0])
+
+
+def test_second_derivatives_run_on_the_executor(x64, make_problem, assert_close):
+    """On a host route ``jax.hessian`` is one evaluation on the executor: its batch of
+    tangents reaches one host callback, whose chunk tasks run the site's compiled
+    Hessian-vector-product programs; ``fn`` is never traced on all rows. On the graph
+    route the site compiles no such program."""
+    problem = make_problem("logistic", n=1000)
+    sizes = []
+
+    def fn(d, *shared):
+        sizes.append(jax.tree.leaves(d)[0].shape[0])
+        return problem.fn(d, *shared)
+
+    counted = problem._replace(fn=fn)
+    want = jax.jit(jax.hessian(problem.unsplit(), argnums=1))(*problem.args)
+    with pb.ThreadExecutor(2, dispatch="host") as ex, pb.SerialExecutor() as graph:
+        f = counted.split(ex, block_rows=BLOCK_ROWS, grainsize=2 * BLOCK_ROWS)
+        before = ex.stats()["host_calls"]
+        got = jax.jit(jax.hessian(f, argnums=1))(*problem.args)
+        assert ex.stats()["host_calls"] - before == 1
+        (site,) = ex.sites()
+        assert any("hvp" in k[0] for k in site.traces)
+        jax.jit(jax.hessian(counted.split(graph, block_rows=BLOCK_ROWS), argnums=1))(
+            *problem.args)
+        (graph_site,) = graph.sites()
+        assert not any("hvp" in k[0] for k in graph_site.traces)
+    assert_close(got, want, rtol=RTOL)
+    assert 1000 not in sizes
+
+
 def test_device_executor_forward_mode(x64, make_problem, assert_close, assert_identical):
     """The device map's graph route: hessian equal to plain, jvp equal to the serial one."""
     problem = make_problem("random_effects", n=1000)
@@ -145,7 +223,7 @@ def test_device_executor_forward_mode(x64, make_problem, assert_close, assert_id
 @pytest.mark.dask
 def test_dask_executor_forward_mode(x64, make_problem, assert_close, assert_identical):
     """A real dask cluster (two worker processes): jvp bitwise the serial one, hessian
-    equal to plain."""
+    computed on the workers, equal to plain and bitwise the host path's in this process."""
     distributed = pytest.importorskip("distributed")
     problem = make_problem("logistic", n=600)
     t = tangents(problem.args)
@@ -155,12 +233,16 @@ def test_dask_executor_forward_mode(x64, make_problem, assert_close, assert_iden
             pb.DaskExecutor(client=client, dispatch="host") as ex:
         split = problem.split(ex, block_rows=128)
         jvp = jax.jit(lambda a, t: jax.jvp(split, a, t))(problem.args, t)
+        calls = ex.stats()["host_calls"]
         hess = jax.jit(jax.hessian(split, argnums=1))(*problem.args)
-        assert ex.stats()["calls"] >= 1
+        assert ex.stats()["host_calls"] == calls + 1  # the Hessian-vector products' evaluation
     serial = problem.split(pb.SerialExecutor(), block_rows=128)
     assert_identical(jvp, jax.jit(lambda a, t: jax.jvp(serial, a, t))(problem.args, t))
     assert_close(hess, jax.jit(jax.hessian(problem.unsplit(), argnums=1))(*problem.args),
                  rtol=RTOL)
+    with pb.SerialExecutor(dispatch="host") as ex:  # the same bits as in this process
+        here = jax.jit(jax.hessian(problem.split(ex, block_rows=128), argnums=1))(*problem.args)
+    assert_identical(hess, here)
 
 
 def test_laplace_approximation_matches_plain_model(x64):
