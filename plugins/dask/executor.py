@@ -49,6 +49,8 @@ from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
 __all__ = ["DaskExecutor"]
 
 #: Failures that mean "this worker is gone", not "fn is wrong".
+#: The name under which a site holds its RemoteSite (``SiteState.placed``).
+REMOTE = "dask.remote"
 _LOST = (OSError, CommClosedError, asyncio.TimeoutError, EOFError)
 _EVALUATE = cloudpickle.dumps(remote.evaluate)
 _INSTALL = cloudpickle.dumps(remote.install)
@@ -125,11 +127,11 @@ class DaskExecutor(Executor):
             self._cluster = cluster.local_cluster(n_workers, threads_per_worker)
             self._client = Client(self._cluster, timeout=self.timeout, set_as_default=False)
         self._plugin = f"parallel_backend-{uuid.uuid4().hex[:12]}"
-        self._remotes: dict = {}  # SiteState (by identity) -> RemoteSite, while cached
-        # Sites evicted from the cache, and the RemoteSite of those a compiled program
-        # still evaluates, kept only as long as the SiteState lives (see _remote).
+        # What the cluster holds for a site is the site's own: its RemoteSite lives in
+        # ``state.placed[REMOTE]`` and goes when the site is evicted or released. Sites
+        # evicted from the cache are remembered weakly: one that a compiled program still
+        # evaluates sends its data again, kept as long as the SiteState lives (_remote).
         self._retired = weakref.WeakSet()
-        self._revived = weakref.WeakKeyDictionary()
         # (data token, tiles) -> Layout, shared by every site over the same data, so a
         # re-traced model finds its data where it was sent before.
         self._placements: dict = {}
@@ -175,18 +177,21 @@ class DaskExecutor(Executor):
 
     def _remote(self, state) -> RemoteSite:
         with self._remote_lock:
-            r = self._remotes.get(state)
-            if r is None and state in self._retired:
-                # Evicted, yet evaluated by a program that still holds it (a model with
-                # more sites than the cache keeps): its data goes back to the workers and
-                # stays there until the state itself is gone.
-                r = self._revived.get(state)
-                if r is None:
-                    r = self._revived[state] = self._new_remote(state)
+            r = state.placed.get(REMOTE)
+            if r is None:
+                r = state.placed[REMOTE] = self._new_remote(state)
+                if state in self._retired:
+                    # Evicted, yet evaluated by a program that still holds it (a model
+                    # with more sites than the cache keeps): its data goes back to the
+                    # workers and stays there until the state itself is gone.
                     weakref.finalize(state, forget_revived, weakref.ref(self), r).atexit = False
-            elif r is None:
-                r = self._remotes[state] = self._new_remote(state)
             return r
+
+    def _held(self) -> list:
+        """The RemoteSite of every site this executor holds: cached, or evicted but
+        evaluated again."""
+        states = [*self.sites(), *self._retired]
+        return [r for r in (s.placed.get(REMOTE) for s in states) if r is not None]
 
     def _new_remote(self, state) -> RemoteSite:
         r = RemoteSite(state)
@@ -204,7 +209,7 @@ class DaskExecutor(Executor):
             return self._map_chunks(r, state, [t.chunk for t in tasks], evaluation)
         finally:
             with self._remote_lock:
-                orphan = self._remotes.get(state) is not r and self._revived.get(state) is not r
+                orphan = state.placed.get(REMOTE) is not r
             if orphan:  # evicted while this evaluation ran, which may have sent data again
                 self._forget(r)
 
@@ -227,7 +232,7 @@ class DaskExecutor(Executor):
         super()._retire(state)
         with self._remote_lock:  # what the client kept of a forgotten site goes with it
             self._retired.add(state)
-            r = self._remotes.pop(state, None)
+            r = state.placed.pop(REMOTE, None)
         if r is not None:
             self._forget(r)
 
@@ -235,8 +240,7 @@ class DaskExecutor(Executor):
         """Tell the workers to forget ``r``'s spec and data, where no other site of this
         executor uses them (sites with the same spec or data share them there)."""
         with self._remote_lock:
-            others = [x for x in (*self._remotes.values(), *self._revived.values())
-                      if x is not r]
+            others = [x for x in self._held() if x is not r]
             tokens = [] if any(x.token == r.token for x in others) else [r.token]
             data = [] if any(x.data_token == r.data_token for x in others) else [r.data_token]
             for key in [k for k in self._placements if k[0] in data]:
@@ -408,8 +412,8 @@ class DaskExecutor(Executor):
             if self._client.status == "running":
                 self._client.unregister_worker_plugin(self._plugin)
         with self._remote_lock:
-            self._remotes.clear()
-            self._revived.clear()
+            for state in [*self.sites(), *self._retired]:
+                state.placed.pop(REMOTE, None)
             self._placements.clear()
         self._disconnect()
 

@@ -266,7 +266,8 @@ def on_workers(client, ex) -> dict:
 
 def site_bytes(ex) -> int:
     """Bytes of the data of the sites ``ex`` has sent to its workers and still caches."""
-    return sum(sum(x.nbytes for x in r.arrays) for r in ex._remotes.values())
+    remotes = [s.placed.get("dask.remote") for s in ex.sites()]
+    return sum(sum(x.nbytes for x in r.arrays) for r in remotes if r is not None)
 
 
 @pytest.mark.dask

@@ -312,8 +312,8 @@ def test_ids_are_never_keys():
 
 def test_a_forgotten_site_is_dropped_by_the_executor(executor):
     """What an executor keeps per site (a graph counter, the host path's data, device
-    shares and buffers, the client's copy of a dask site) is held by the site itself (or
-    keyed by it) and leaves with it."""
+    shares and buffers, the client's copy of a dask site) is held by the site itself,
+    never in an executor's dict, and leaves with it."""
     from parallel_backend.site import SiteCache
 
     executor._states = SiteCache(max_sites=1, on_forget=executor._retire)
@@ -338,8 +338,10 @@ def test_a_forgotten_site_is_dropped_by_the_executor(executor):
         return [k for k, v in vars(executor).items() if isinstance(v, dict) and refers(v, obj)]
 
     live = executor.sites()[0]
-    # What the live site holds, on itself or (dask) in the executor...
-    assert held(live) or live.placed or live.host is not None or live.counter is not None
+    # What the live site holds is on the site itself (every executor), never in an
+    # executor's dict keyed by it...
+    assert not held(live)
+    assert live.placed or live.host is not None or live.counter is not None
     # ...and nothing of the forgotten one, anywhere.
     assert not held(first)
     assert first.placed == {} and first.host is None and first.counter is None
