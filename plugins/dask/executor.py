@@ -89,7 +89,7 @@ class DaskExecutor(Executor):
         See :class:`~parallel_backend.Executor`.
     rebalance : bool
         Move data between workers after measuring them, so that a worker behind a slow
-        link or with slower threads holds fewer blocks (see :mod:`.placement`);
+        link or with slower threads holds fewer blocks (``plugins/dask/placement.py``);
         ``False`` keeps the data where it was first placed, in proportion to the
         workers' threads. Results are bitwise the same either way.
 

@@ -1,6 +1,6 @@
 """Second derivatives of a site: plain JAX, in the caller's program, on the executor.
 
-``python benchmarks/results/second_order.py [--repeats 7]`` times ``jax.hessian`` (every
+``python benchmarks/second_order.py [--repeats 7]`` times ``jax.hessian`` (every
 tangent at once) and one Hessian-vector product (``jax.jvp`` of ``jax.grad``) of the HMM
 and the logistic likelihood of ``benchmarks/likelihoods.py`` in float64, jitted, medians
 of ``repeats`` runs after a warm-up, all in one process:
@@ -35,7 +35,7 @@ import numpy as np
 
 import parallel_backend as pb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import likelihoods
 
 CASES = {"hmm": (likelihoods.hmm, 4_000), "logistic": (likelihoods.logistic, 100_000)}
