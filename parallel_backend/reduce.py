@@ -1,7 +1,7 @@
 """``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom JVP.
 
 This module owns the public primitive: validation at the boundary (before any
-tracing), the call site's :class:`~parallel_backend.spec.SiteSpec`, the
+tracing; the checks are in :mod:`.arguments`), the call site's :class:`~parallel_backend.spec.SiteSpec`, the
 ``jax.custom_jvp`` that hands value and gradients to JAX autodiff (reverse and forward
 mode; second derivatives in :mod:`.second_order`), and the ``jax.pure_callback``
 through which the host path (:mod:`.host`) runs. It imports jax, numpy and the core
@@ -19,6 +19,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import host as host_path
+from .arguments import as_leaf, check_closure, check_output, leading_size, output_dtype
 from .batching import set_batching
 from .blocks import (
     BlockPlan,
@@ -37,7 +38,8 @@ from .identity import site_key, snapshot
 from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
 from .site import SiteState
-from .spec import SiteSpec, combine
+from .spec import SiteSpec
+from .tasks import combine
 
 __all__ = ["reduce_sum"]
 
@@ -99,24 +101,24 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
         raise TypeError(f"reduce_sum: fn must be callable, got {type(fn).__name__}")
     grainsize = check_count(grainsize, "grainsize", "reduce_sum", none_ok=True,
                             what="rows per chunk")
-    _check_closure(fn)
+    check_closure(fn)
 
     paths_leaves, data_treedef = jax.tree_util.tree_flatten_with_path(data)
     if not paths_leaves:
         raise ValueError("reduce_sum: data has no array leaves; it must hold the rows to split")
     paths = [jax.tree_util.keystr(p) or "data" for p, _ in paths_leaves]
-    leaves = [_as_leaf(x, "data" + p if p != "data" else p) for p, (_, x) in zip(paths, paths_leaves)]
-    n_rows = _leading_size(paths, leaves)
+    leaves = [as_leaf(x, "data" + p if p != "data" else p) for p, (_, x) in zip(paths, paths_leaves)]
+    n_rows = leading_size(paths, leaves)
 
     shared_leaves, shared_treedef = jax.tree_util.tree_flatten(shared)
-    shared_leaves = [_as_leaf(x, "shared") for x in shared_leaves]
+    shared_leaves = [as_leaf(x, "shared") for x in shared_leaves]
 
     plan = plan_blocks(n_rows, block_rows, row_bytes=row_bytes(leaves))
     if n_rows == 0:
-        return jnp.zeros((), _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
+        return jnp.zeros((), output_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
     value_dtype = None
     for rows in sorted({plan.block_rows if plan.n_full else 0, plan.tail_rows} - {0}):
-        value_dtype = _check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves,
+        value_dtype = check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves,
                                     rows, plan, paths)
 
     executor = resolve_executor(executor)
@@ -324,93 +326,3 @@ def _is_traced(x) -> bool:
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _as_leaf(x, where: str):
-    if _is_traced(x) or isinstance(x, (np.ndarray, jax.Array)):
-        return x
-    try:
-        return jnp.asarray(x)
-    except TypeError as e:
-        raise TypeError(f"reduce_sum: {where} leaf of type {type(x).__name__} is not an array") from e
-
-
-def _leading_size(paths, leaves) -> int:
-    sizes = {}
-    for path, x in zip(paths, leaves):
-        shape = jnp.shape(x)
-        if len(shape) == 0:
-            raise ValueError(f"reduce_sum: data leaf {path} is a scalar (shape ()); every data leaf "
-                             "needs the leading row axis N. Pass scalars in *shared instead.")
-        sizes.setdefault(shape[0], []).append(f"{path}: {tuple(shape)}")
-    if len(sizes) > 1:
-        listing = "; ".join(s for group in sizes.values() for s in group)
-        raise ValueError("reduce_sum: data leaves must share the leading size N (the rows to split), "
-                         f"got {listing}")
-    return int(next(iter(sizes)))
-
-
-def _cell_ok(cell) -> bool:
-    try:
-        _ = cell.cell_contents  # an empty cell raises
-    except ValueError:
-        return False
-    return True
-
-
-def _check_closure(fn) -> None:
-    objs = []
-    if isinstance(fn, functools.partial):
-        objs += list(fn.args) + list(fn.keywords.values())
-        fn = fn.func
-    objs += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_ok(c)]
-    for obj in objs:
-        if any(_is_traced(x) for x in jax.tree_util.tree_leaves(obj)):
-            raise ValueError(
-                "reduce_sum: fn closes over a traced value (a parameter of the model). Chunks may "
-                "run on other threads, processes or machines, so pass parameters explicitly: "
-                "reduce_sum(fn, data, param, ...) with fn(data_chunk, param, ...).")
-
-
-def _block_struct(leaves, rows):
-    return [jax.ShapeDtypeStruct((rows,) + tuple(jnp.shape(x))[1:], jnp.result_type(x)) for x in leaves]
-
-
-def _shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
-    """``fn``'s output shape and dtype on a block of ``rows`` rows (nothing computed)."""
-    return jax.eval_shape(
-        lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
-                        *jax.tree_util.tree_unflatten(shared_treedef, s)),
-        _block_struct(leaves, rows), list(shared_leaves))
-
-
-def _value_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
-    try:
-        return _shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows).dtype
-    except Exception:  # noqa: BLE001 - fn may not handle 0 rows; fall back to the default float
-        return jnp.result_type(float)
-
-
-def _check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows, plan, paths):
-    """Trace ``fn`` on a block's shapes: errors surface here, in the caller, before sampling."""
-    start = 0 if rows == plan.block_rows and plan.n_full else plan.n_full * plan.block_rows
-    try:
-        out = _shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows)
-    except Exception as e:
-        e.add_note(f"reduce_sum: raised by fn on a chunk of rows [{start}, {start + rows}) "
-                   f"of data with leaves {', '.join(paths)}")
-        raise
-    if not hasattr(out, "shape"):
-        raise TypeError(f"reduce_sum: fn must return one array of shape ({rows},) for a chunk of "
-                        f"{rows} rows, got {type(out).__name__}")
-    if out.shape == ():
-        raise ValueError(
-            f"reduce_sum: fn returned a scalar for a chunk of {rows} rows; it must return the "
-            f"pointwise log-density, shape ({rows},). A Stan-style partial sum (fn(...).sum()) "
-            "is not accepted: drop the .sum(), reduce_sum does the summing.")
-    if out.shape != (rows,):
-        raise ValueError(f"reduce_sum: fn must return shape ({rows},) for a chunk of {rows} rows "
-                         f"(one log-density per row), got shape {out.shape}")
-    if not jnp.issubdtype(out.dtype, jnp.inexact):
-        raise TypeError(f"reduce_sum: fn must return floating-point log-densities, got {out.dtype}")
-    return out.dtype

@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .blocks import BlockPlan, TilePlan, tree_sum
+from .blocks import BlockPlan, TilePlan
 from .forms import blocks_pool
 from .hoist import Split, calls_fn, known_function, split_known, unknown_function
+from .second_order import kept, merge
 from .sets import over_blocks, unblock
-from .tasks import block_axis, host_device, pad_blocks, program_key, take_blocks
+from .tasks import Partials, block_axis, host_device, pad_blocks, program_key, take_blocks
 
-__all__ = ["Partials", "Program", "SiteSpec", "combine"]
+__all__ = ["Program", "SiteSpec"]
 
 class SiteSpec(NamedTuple):
     """The static description of one ``reduce_sum`` call site (picklable with cloudpickle).
@@ -110,29 +111,6 @@ class SiteSpec(NamedTuple):
         """Rows ``[start, stop)`` of blocks ``[first_block, first_block + count)``."""
         p = self.plan
         return p.block_range(first_block)[0], p.block_range(first_block + count - 1)[1]
-
-
-class Partials(NamedTuple):
-    """Per-block partials of a run of blocks (leading axes: any batch, then blocks).
-
-    Attributes
-    ----------
-    values : array
-        ``(*batch, blocks)``: each block's summed log-density.
-    shared_grads : tuple
-        Per differentiated shared leaf, ``(*batch, blocks, *leaf_shape)``.
-    data_grads : tuple
-        Per differentiated traced data leaf, ``(*batch, blocks, block_rows, *row_shape)``.
-    """
-
-    values: Any
-    shared_grads: tuple
-    data_grads: tuple
-
-
-def combine(values, shared_grads, data_grads):
-    """Fold per-block partials in block order: the one place partials meet."""
-    return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
 
 
 def _owned(a: np.ndarray) -> np.ndarray:
@@ -217,11 +195,12 @@ class Program:
             traced, tan_t, shared, tan_s = traced[:n_t], traced[n_t:], shared[:n_s], shared[n_s:]
 
             def first(td, sd):
-                return self._block(prepared, _merge(traced, td, diff_traced),
-                                   _merge(shared, sd, diff_shared), valid, diff_traced,
+                return self._block(prepared, merge(traced, td, diff_traced),
+                                   merge(shared, sd, diff_shared), valid, diff_traced,
                                    diff_shared, masked)
 
-            return jax.jvp(first, (_kept(traced, diff_traced), _kept(shared, diff_shared)),
+            return jax.jvp(first, (tuple(kept(traced, diff_traced)),
+                                   tuple(kept(shared, diff_shared))),
                            (tuple(tan_t), tuple(tan_s)))[1]
         rows = self.spec.plan.block_rows
         raw, residuals = prepared[:self.n_raw], prepared[self.n_raw:]
@@ -236,8 +215,8 @@ class Program:
         sd = [s for s, d in zip(shared, diff_shared) if d]
 
         def terms(td, sd):
-            return self._unknown(raw, residuals, _merge(traced, td, diff_traced),
-                                 _merge(shared, sd, diff_shared))
+            return self._unknown(raw, residuals, merge(traced, td, diff_traced),
+                                 merge(shared, sd, diff_shared))
 
         # The gradient of a sum is the pullback of ones; padded rows pull back zeros.
         pointwise, pullback = jax.vjp(terms, td, sd)
@@ -410,12 +389,3 @@ class Program:
 #: The name a traced chunk program is counted under in ``Program.traces``.
 _KIND = {(1, "batched"): "batched", (2, "batched"): "batched hvp",
          (1, "looped"): "looped", (2, "looped"): "looped hvp"}
-
-
-def _kept(xs, mask) -> tuple:
-    return tuple(x for x, m in zip(xs, mask) if m)
-
-
-def _merge(full, subset, mask):
-    it = iter(subset)
-    return tuple(next(it) if m else x for x, m in zip(full, mask))

@@ -3,7 +3,8 @@
 A :class:`Task` says which compiled program, which blocks (a :class:`Chunk`), on which
 prepared data (a :class:`Resident`) and with which parameters (an :class:`Evaluation`);
 :func:`run_task` evaluates it on the calling thread and returns a :class:`ChunkResult`
-(the per-block partials, plain arrays). An executor only runs tasks, here or in another
+(the per-block partials, plain arrays); :func:`combine` folds partials in block order,
+the one place they meet. An executor only runs tasks, here or in another
 process (where it rebuilds the program from the site's picklable spec and holds its own
 share of the data): it never calls back into the site or the host path that made them.
 This module imports jax, numpy, :mod:`.blocks` and :mod:`.errors` only.
@@ -20,15 +21,17 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .blocks import xla_threads
+from .blocks import tree_sum, xla_threads
 from .errors import ChunkError
 
 __all__ = [
     "POOL_SLOTS",
     "ChunkResult",
     "Evaluation",
+    "Partials",
     "Resident",
     "Task",
+    "combine",
     "host_device",
     "pad_blocks",
     "program_key",
@@ -41,6 +44,29 @@ __all__ = [
 MAX_VIEWS = 64
 MAX_VIEW_COPIES = 2
 
+
+
+class Partials(NamedTuple):
+    """Per-block partials of a run of blocks (leading axes: any batch, then blocks).
+
+    Attributes
+    ----------
+    values : array
+        ``(*batch, blocks)``: each block's summed log-density.
+    shared_grads : tuple
+        Per differentiated shared leaf, ``(*batch, blocks, *leaf_shape)``.
+    data_grads : tuple
+        Per differentiated traced data leaf, ``(*batch, blocks, block_rows, *row_shape)``.
+    """
+
+    values: Any
+    shared_grads: tuple
+    data_grads: tuple
+
+
+def combine(values, shared_grads, data_grads):
+    """Fold per-block partials in block order: the one place partials meet."""
+    return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
 
 class Evaluation(NamedTuple):
     """The parameters of one host evaluation, what every task of it reads.

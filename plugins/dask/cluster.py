@@ -13,6 +13,8 @@ interface.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 import warnings
 
@@ -23,7 +25,7 @@ from parallel_backend.extend import check_count, cpu_count
 
 from .protocol import QUARANTINE_SECONDS
 
-__all__ = ["Liveness", "connect", "local_cluster", "scheduler_lost", "worker_env"]
+__all__ = ["Liveness", "Releases", "connect", "local_cluster", "scheduler_lost", "worker_env"]
 
 #: Eigen's own thread pool off on workers: the worker's threads are the parallelism.
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -163,3 +165,40 @@ def register(client, plugin, name: str) -> None:
             f"DaskExecutor: the scheduler at {address} answered, but it has no workers that "
             f"answer: they were lost (killed or disconnected; {type(e).__name__}). Start "
             f"workers with `dask worker {address}` (or restart the cluster) and try again") from e
+
+
+class Releases:
+    """Messages telling every worker to forget a site's spec and data, sent without
+    waiting (they are sent where a site is evicted: while a model is traced), and the
+    means to wait for those on their way (tests, shutdown)."""
+
+    def __init__(self, client, plugin: str, release_everywhere):
+        # release_everywhere(client, plugin, tokens, data_tokens): .worker's coroutine
+        # (passed in: .worker imports this module)
+        self._client, self._plugin, self._release = client, plugin, release_everywhere
+        self._lock = threading.Lock()
+        self._pending: set = set()
+
+    def send(self, tokens, data_tokens) -> None:
+        """Send :func:`.worker.release` of ``tokens`` and ``data_tokens`` everywhere."""
+        if self._client.status != "running":
+            return
+        try:
+            future = asyncio.run_coroutine_threadsafe(
+                self._release(self._client, self._plugin, tokens, data_tokens),
+                self._client.loop.asyncio_loop)
+        except RuntimeError:  # the client's event loop is closed: nothing left to tell
+            return
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the messages sent so far have reached the workers."""
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout)

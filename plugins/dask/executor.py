@@ -25,7 +25,6 @@ Imports the core's interface, numpy, cloudpickle and distributed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import threading
 import time
@@ -42,8 +41,8 @@ from parallel_backend.extend import ChunkError, Executor, chunks_within
 
 from . import cluster, probe
 from . import worker as remote
-from .internals import connection_pool, request
-from .placement import RemoteSite, assign, forget_revived
+from .internals import run_on
+from .placement import RemoteSite, assign, blocks_held, forget_revived
 from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
 
 __all__ = ["DaskExecutor"]
@@ -127,6 +126,7 @@ class DaskExecutor(Executor):
             self._cluster = cluster.local_cluster(n_workers, threads_per_worker)
             self._client = Client(self._cluster, timeout=self.timeout, set_as_default=False)
         self._plugin = f"parallel_backend-{uuid.uuid4().hex[:12]}"
+        self._releases = cluster.Releases(self._client, self._plugin, remote.release_everywhere)
         # What the cluster holds for a site is the site's own: its RemoteSite lives in
         # ``state.placed[REMOTE]`` and goes when the site is evicted or released. Sites
         # evicted from the cache are remembered weakly: one that a compiled program still
@@ -138,7 +138,6 @@ class DaskExecutor(Executor):
         # Reentrant: a SiteState's finalizer (in _remote) may run, by garbage collection,
         # on a thread that holds it.
         self._remote_lock = threading.RLock()
-        self._releasing: set = set()  # release messages on their way to the workers
         self._data_bytes = 0
         try:
             nthreads = cluster.wait_for_workers(self._client, self.timeout)
@@ -245,33 +244,12 @@ class DaskExecutor(Executor):
             data = [] if any(x.data_token == r.data_token for x in others) else [r.data_token]
             for key in [k for k in self._placements if k[0] in data]:
                 del self._placements[key]
-        if tokens or data:
-            self._release_on_workers(tokens, data)
-
-    def _release_on_workers(self, tokens, data_tokens) -> None:
-        """Send :func:`.worker.release` to every worker, without waiting for it (this runs
-        where a site is evicted: while a model is traced)."""
-        if self.closed or self._client.status != "running":
-            return  # close() drops everything at once
-        try:
-            future = asyncio.run_coroutine_threadsafe(
-                remote.release_everywhere(self._client, self._plugin, tokens, data_tokens),
-                self._client.loop.asyncio_loop)
-        except RuntimeError:  # the client's event loop is closed: nothing left to tell
-            return
-        with self._remote_lock:
-            self._releasing.add(future)
-        future.add_done_callback(self._released)
-
-    def _released(self, future) -> None:
-        with self._remote_lock:
-            self._releasing.discard(future)
+        if (tokens or data) and not self.closed:  # close() drops everything at once
+            self._releases.send(tokens, data)
 
     def _wait_released(self, timeout: float | None = None) -> None:
         """Wait until the release messages sent so far have reached the workers."""
-        with self._remote_lock:
-            pending = list(self._releasing)
-        concurrent.futures.wait(pending, timeout)
+        self._releases.wait(timeout)
 
     async def _run(self, r: RemoteSite, per: int, evaluation) -> list:
         """The results of every chunk of ``per`` tiles, in block order."""
@@ -356,17 +334,7 @@ class DaskExecutor(Executor):
             raise _WorkerGone(reply.detail)
 
     async def _send(self, addr, function: bytes, args: bytes):
-        pool = connection_pool(self._client)
-        comm = await pool.connect(addr, timeout=self.timeout)
-        ok = False
-        try:
-            reply = await request(comm, op="run", function=function, args=args, wait=True)
-            ok = True
-        finally:
-            if ok:
-                pool.reuse(addr, comm)
-            else:
-                comm.abort()
+        reply = await run_on(self._client, addr, function, args, self.timeout)
         self.count(bytes_sent=len(function) + len(args))
         if not isinstance(reply, dict) or reply.get("status") != "OK":
             text = reply.get("text") if isinstance(reply, dict) else reply
@@ -395,12 +363,8 @@ class DaskExecutor(Executor):
         out["worker_failures"] = self._live.failures
         out["data_bytes_sent"] = self._data_bytes
         out["replacements"] = self._replacements
-        held: dict = {}
         with self._remote_lock:
-            for layout in self._placements.values():
-                for s, a in zip(layout.shards, layout.owners):
-                    held[a] = held.get(a, 0) + s.count
-        out["blocks_per_worker"] = held
+            out["blocks_per_worker"] = blocks_held(self._placements.values())
         out["scheduler"] = None if self.closed else self.scheduler_address
         out["dashboard"] = None if self.closed else self._dashboard
         return out

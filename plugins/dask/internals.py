@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from distributed.core import send_recv as _send_recv
 
-__all__ = ["connection_pool", "request", "worker_plugin"]
+__all__ = ["connection_pool", "request", "run_on", "worker_plugin"]
 
 
 def connection_pool(client):
@@ -28,6 +28,24 @@ async def request(comm, **message):
     (``distributed.core.send_recv``; ``op="run"`` runs a pickled function on a worker,
     as ``Client.run`` does)."""
     return await _send_recv(comm, **message)
+
+
+async def run_on(client, addr: str, function: bytes, args: bytes, timeout: float):
+    """The reply of the worker at ``addr`` to running the pickled ``function`` on the
+    pickled ``args``, over the client's pool (a connection that failed is dropped, not
+    reused)."""
+    pool = connection_pool(client)
+    comm = await pool.connect(addr, timeout=timeout)
+    ok = False
+    try:
+        reply = await request(comm, op="run", function=function, args=args, wait=True)
+        ok = True
+    finally:
+        if ok:
+            pool.reuse(addr, comm)
+        else:
+            comm.abort()
+    return reply
 
 
 def worker_plugin(dask_worker, name: str):

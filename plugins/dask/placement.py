@@ -33,7 +33,8 @@ import numpy as np
 
 from parallel_backend.extend import Chunk, even_slots
 
-__all__ = ["Layout", "RemoteSite", "assign", "content_token", "forget_revived", "share_tiles"]
+__all__ = ["Layout", "RemoteSite", "assign", "blocks_held", "content_token", "forget_revived",
+           "share_tiles"]
 
 #: Evaluations after a placement left out of its measurements: they install data and
 #: compile the new chunk shapes (their excess is what one placement costs).
@@ -270,6 +271,15 @@ def assign(shards, owners, tasks, alive: dict) -> dict:
     for t in tasks:
         groups.setdefault(where[t[0]], []).append(t)
     return groups
+
+
+def blocks_held(layouts) -> dict:
+    """Worker address -> blocks it holds, over ``layouts``."""
+    held: dict = {}
+    for layout in layouts:
+        for s, a in zip(layout.shards, layout.owners):
+            held[a] = held.get(a, 0) + s.count
+    return held
 
 
 def forget_revived(executor_ref, r: RemoteSite) -> None:
