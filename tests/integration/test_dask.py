@@ -342,7 +342,6 @@ def test_worker_killed_during_nuts_draws_unchanged(x64):
     ref = run_nuts(pb.SerialExecutor(), data, warmup=40, samples=40)
     with _cluster() as cluster, Client(cluster) as c:
         pids = c.run(os.getpid)
-        victim = min(pids.values())
         with pb.DaskExecutor(client=c, dispatch="host") as ex:
             killed = threading.Event()
 
@@ -350,7 +349,11 @@ def test_worker_killed_during_nuts_draws_unchanged(x64):
                 deadline = time.time() + 120
                 while ex.stats()["calls"] < 30 and time.time() < deadline:
                     time.sleep(0.005)
-                os.kill(victim, signal.SIGKILL)
+                # A worker that holds blocks now: the executor may have moved every block
+                # off a worker it measured slower (rebalance), and killing that one would
+                # test nothing.
+                held = {a: n for a, n in ex.stats()["blocks_per_worker"].items() if n}
+                os.kill(pids[min(held)], signal.SIGKILL)
                 killed.set()
 
             t = threading.Thread(target=kill_when_running, daemon=True)
