@@ -1,8 +1,8 @@
 """``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom JVP.
 
 This module owns the public primitive: validation at the boundary (before any
-tracing; the checks are in :mod:`.arguments`), the call site's :class:`~parallel_backend.spec.SiteSpec`, the
-``jax.custom_jvp`` that hands value and gradients to JAX autodiff (reverse and forward
+tracing; the checks are in :mod:`.arguments`), the call site's
+:class:`~parallel_backend.spec.SiteSpec`, the ``jax.custom_jvp`` that hands value and gradients to JAX autodiff (reverse and forward
 mode; second derivatives in :mod:`.second_order`), and the ``jax.pure_callback``
 through which the host path (:mod:`.host`) runs. It imports jax, numpy and the core
 modules; never NumPyro, dask or ArviZ.
@@ -119,7 +119,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     value_dtype = None
     for rows in sorted({plan.block_rows if plan.n_full else 0, plan.tail_rows} - {0}):
         value_dtype = check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves,
-                                    rows, plan, paths)
+                                   rows, plan, paths)
 
     executor = resolve_executor(executor)
     traced_mask = tuple(_is_traced(x) for x in leaves)
@@ -282,10 +282,7 @@ def _reduce(state, executor, grainsize, route, blocked):
         ht, hs = symmetric_product(apply, twin, (traced, shared), along)
         # The value's tangent: the gradients (of every leaf with a tangent) dotted with it.
         g = out if (ut, us) == (dt, ds) else value_and_grads(traced, shared, choice, ut, us)
-        pairs = [*zip(g[1], kept(tt, ut)), *zip(g[2], kept(ts, us))]
-        v = out[0]
-        dv = functools.reduce(jnp.add, [jnp.sum(a * t).astype(v.dtype) for a, t in pairs
-                                        if t is not None], jnp.zeros_like(v))
+        dv = _dotted(out[0], [*zip(g[1], kept(tt, ut)), *zip(g[2], kept(ts, us))])
         return dv, tuple(kept(ht, kept(dt, ut))), tuple(kept(hs, kept(ds, us)))
 
     value_and_grads.defjvp(value_and_grads_jvp, symbolic_zeros=True)
@@ -304,12 +301,17 @@ def _reduce(state, executor, grainsize, route, blocked):
         dt = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(traced, tt))
         ds = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(shared, ts))
         v, gd, gs = value_and_grads(traced, shared, choice, dt, ds)
-        pairs = [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))]
-        terms = [jnp.sum(g * t).astype(v.dtype) for g, t in pairs]
-        return v, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(v)
+        return v, _dotted(v, [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))])
 
     value.defjvp(value_jvp, symbolic_zeros=True)
     return value
+
+
+def _dotted(v, pairs):
+    """The value's tangent: each gradient times its tangent (``None``: a zero one), summed
+    in order, in ``v``'s dtype."""
+    terms = [jnp.sum(g * t).astype(v.dtype) for g, t in pairs if t is not None]
+    return functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(v)
 
 
 def _add_zero(zero, x):

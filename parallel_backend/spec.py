@@ -211,8 +211,7 @@ class Program:
 
         if not (any(diff_traced) or any(diff_shared)):
             return Partials(total(self._unknown(raw, residuals, traced, shared)), (), ())
-        td = [t for t, d in zip(traced, diff_traced) if d]
-        sd = [s for s, d in zip(shared, diff_shared) if d]
+        td, sd = kept(traced, diff_traced), kept(shared, diff_shared)
 
         def terms(td, sd):
             return self._unknown(raw, residuals, merge(traced, td, diff_traced),

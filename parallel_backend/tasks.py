@@ -45,7 +45,6 @@ MAX_VIEWS = 64
 MAX_VIEW_COPIES = 2
 
 
-
 class Partials(NamedTuple):
     """Per-block partials of a run of blocks (leading axes: any batch, then blocks).
 
@@ -67,6 +66,7 @@ class Partials(NamedTuple):
 def combine(values, shared_grads, data_grads):
     """Fold per-block partials in block order: the one place partials meet."""
     return tree_sum(values), tuple(tree_sum(g) for g in shared_grads), tuple(data_grads)
+
 
 class Evaluation(NamedTuple):
     """The parameters of one host evaluation, what every task of it reads.

@@ -508,6 +508,12 @@ def test_numpyro_log_likelihood_is_pointwise(executor, precision):
     np.testing.assert_array_equal(np.reshape(got2, (8, N)), got["y"])
     summed = numpyro.infer.log_likelihood(factored, posterior_draws(), X, y, executor=executor)
     np.testing.assert_allclose(summed["y"], want.sum(-1), rtol=rtol_of_precision())
+    mask = np.arange(N) % 3 != 0  # masked rows give zero, as in the plain model
+    want_m = numpyro.infer.log_likelihood(plain, posterior_draws(), X, y, mask=mask)["y"]
+    got_m = numpyro.infer.log_likelihood(observed, posterior_draws(), X, y, mask=mask,
+                                         executor=executor)["y"]
+    assert got_m.shape == want_m.shape == (8, N) and not np.any(got_m[:, ~mask])
+    np.testing.assert_allclose(got_m, want_m, rtol=rtol_of_precision(), atol=1e-6)
 
 
 def test_log_density_still_sums_after_log_likelihood(executor, precision):
