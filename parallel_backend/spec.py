@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from .blocks import BlockPlan, TilePlan
-from .forms import blocks_pool
+from .forms import blocks_pool, hide_values, index_leaves
 from .hoist import Split, calls_fn, known_function, split_known, unknown_function
 from .second_order import kept, merge
 from .sets import over_blocks, unblock
@@ -138,6 +138,10 @@ class Program:
         self.split: Split = split_known(closed, len(resident), len(traced))
         #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
         self.blocks_pool = blocks_pool(closed)
+        #: Per prepared leaf, whether ``fn`` reads it only as positions: the in-graph
+        #: route shows those to XLA (see :func:`.forms.index_leaves`); residuals never.
+        self.positions = index_leaves(closed, self.split.raw) + (False,) * (
+            len(self.split.residuals) if self.split.hoisted else 0)
         if self.split.hoisted:
             self._known = known_function(self.split)
             self._unknown = unknown_function(self.split)
@@ -317,8 +321,10 @@ class Program:
             # parameter (exp(log_sigma), say) into a block: either would change the rounding.
             # Data and parameters apart: one barrier over both measured slower than two
             # (negbin, float64).
-            prepared, prepared_tail, valid = lax.optimization_barrier(
-                (prepared, prepared_tail, jnp.asarray(self.valid)))
+            # Data fn reads only as positions stays in view: the index pairs of a gather's
+            # batched transpose are then folded at compile time (.forms.index_leaves).
+            prepared, prepared_tail, valid = hide_values(self.positions, prepared, prepared_tail,
+                                                         jnp.asarray(self.valid))
             traced, shared = lax.optimization_barrier((traced, shared))
             if self.spec.form == "batched":
                 tail = None
