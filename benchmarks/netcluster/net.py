@@ -46,11 +46,12 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def missing() -> str | None:
     """What the simulated cluster needs and this machine lacks (root, the tools of
     :data:`TOOLS`), in one sentence, or ``None``."""
-    lacking = [f"`{tool}` ({package})" for tool, package in TOOLS if shutil.which(tool) is None]
+    absent = [(tool, package) for tool, package in TOOLS if shutil.which(tool) is None]
+    lacking = [f"`{tool}` ({package})" for tool, package in absent]
     needs = (["root (network namespaces need it; this process is not root)"]
              if os.geteuid() != 0 else [])
     if lacking:
-        packages = sorted({p for t, p in TOOLS if shutil.which(t) is None})
+        packages = sorted({p for _, p in absent})
         needs.append(f"{', '.join(lacking)} on the PATH (install {' and '.join(packages)}, "
                      f"e.g. `apt-get install {' '.join(packages)}`)")
     return f"the simulated cluster needs {' and '.join(needs)}" if needs else None
