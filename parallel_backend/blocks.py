@@ -95,8 +95,8 @@ def plan_blocks(n_rows: int, block_rows: int | None = None, row_bytes: int = 8) 
     The default block size depends only on ``n_rows`` and on the bytes of data per
     row (never on the executor, the worker count or a measurement): that is what
     makes results reproducible. It is a power of two near ``TARGET_BLOCK_BYTES``
-    of data, at least ``MIN_BLOCK_ROWS`` rows, and small enough to leave
-    ``MIN_BLOCKS`` blocks; data that fits one block's budget is one block, or
+    of data, at least ``MIN_BLOCK_ROWS`` rows, and no larger than ``MIN_BLOCKS``
+    blocks of whole ``ROW_ALIGN`` vectors; data that fits one block's budget is one block, or
     ``SMALL_BLOCKS`` blocks from ``SMALL_SPLIT_ROWS`` rows on.
 
     Parameters
@@ -119,7 +119,7 @@ def plan_blocks(n_rows: int, block_rows: int | None = None, row_bytes: int = 8) 
     >>> plan_blocks(10_000, row_bytes=8)
     BlockPlan(n_rows=10000, block_rows=2512, n_full=3, tail_rows=2464)
     >>> plan_blocks(100_000, row_bytes=8)
-    BlockPlan(n_rows=100000, block_rows=4096, n_full=24, tail_rows=1696)
+    BlockPlan(n_rows=100000, block_rows=6256, n_full=15, tail_rows=6160)
     >>> plan_blocks(1_000_000, row_bytes=20).block_rows
     16384
     >>> plan_blocks(1_000, row_bytes=84)
@@ -271,7 +271,7 @@ def default_block_rows(n_rows: int, row_bytes: int) -> int:
             return ROW_ALIGN * -(-n_rows // (SMALL_BLOCKS * ROW_ALIGN))
         return max(n_rows, 1)
     rows = 1 << math.ceil(math.log2(budget))
-    rows = min(rows, 1 << int(math.log2(max(n_rows // MIN_BLOCKS, 1))))
+    rows = min(rows, ROW_ALIGN * -(-n_rows // (MIN_BLOCKS * ROW_ALIGN)))
     return max(rows, MIN_BLOCK_ROWS)
 
 

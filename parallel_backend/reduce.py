@@ -22,6 +22,7 @@ from . import host as host_path
 from .arguments import as_leaf, check_closure, check_output, leading_size, output_dtype
 from .batching import set_batching
 from .blocks import (
+    MIN_BLOCK_ROWS,
     BlockPlan,
     TilePlan,
     balance_blocks,
@@ -33,7 +34,7 @@ from .blocks import (
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
-from .forms import detect_form, scan_reduce_per_row
+from .forms import detect_form, row_reduce_cap, scan_reduce_per_row
 from .identity import site_key, snapshot
 from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
@@ -149,7 +150,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
               label=None, balance=True) -> SiteSpec:
     """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
     a trace of ``fn`` on one block), the tile plan, and, with the default block size,
-    the form's own blocks: for the batched form evened out so that the last block needs
+    the form's own blocks: for the batched form no larger than
+    :func:`~.forms.row_reduce_cap` allows and evened out so that the last block needs
     little padding, for the looped form :func:`~.blocks.looped_blocks`."""
     traced = tuple(_is_traced(x) for x in leaves)
     row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
@@ -173,7 +175,10 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         if balance and form == "looped":
             plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
                                  scan_reduce_per_row(closed, draft.plan.block_rows, trace))
-    if balance and form == "batched":
+    if balance and form == "batched":  # smaller blocks where fn reduces within rows
+        cap = row_reduce_cap(closed, draft.plan.block_rows)
+        if cap and max(cap, MIN_BLOCK_ROWS) < plan.block_rows:
+            plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
         plan = balance_blocks(plan)
     return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
 

@@ -7,17 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import parallel_backend as pb
 from parallel_backend.blocks import (
     MIN_BLOCK_ROWS,
     MIN_BLOCKS,
+    ROW_ALIGN,
     SMALL_BLOCKS,
     SMALL_SPLIT_ROWS,
     TARGET_BLOCK_BYTES,
     BlockPlan,
+    balance_blocks,
     plan_blocks,
     tree_sum,
 )
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
+from parallel_backend.forms import ROW_REDUCE_BYTES, row_reduce_cap
 
 # -- plan_blocks ---------------------------------------------------------------------------
 
@@ -28,7 +32,7 @@ from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, spli
     (1000, None, BlockPlan(1000, 1000, 1, 0)),
     (4000, None, BlockPlan(4000, 4000, 1, 0)),
     (10_000, None, BlockPlan(10_000, 2512, 3, 2464)),
-    (100_000, None, BlockPlan(100_000, 4096, 24, 1696)),
+    (100_000, None, BlockPlan(100_000, 6256, 15, 6160)),
     (1000, 256, BlockPlan(1000, 256, 3, 232)),
     (1024, 256, BlockPlan(1024, 256, 4, 0)),
     (3, 256, BlockPlan(3, 256, 0, 3)),
@@ -49,7 +53,9 @@ def test_default_plan_tiles_the_rows(n_rows):
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     if n_rows * 8 > TARGET_BLOCK_BYTES:  # more than one block's worth of data
         assert plan.block_rows >= MIN_BLOCK_ROWS
-        assert plan.block_rows & (plan.block_rows - 1) == 0  # a power of two
+        # a power of two near the budget, or MIN_BLOCKS blocks of whole SIMD vectors
+        pow2 = plan.block_rows & (plan.block_rows - 1) == 0
+        assert pow2 or (plan.block_rows % ROW_ALIGN == 0 and plan.n_blocks == MIN_BLOCKS)
         assert plan.block_rows * 8 <= 2 * TARGET_BLOCK_BYTES
         assert plan.n_blocks >= MIN_BLOCKS
     elif n_rows >= SMALL_SPLIT_ROWS:
@@ -163,3 +169,37 @@ def test_adaptive_chunks_cover_every_block_once(n_rows, workers):
         assert_cover_once(chunker.chunks(), plan.n_blocks)
         chunker.record(2, compute, overhead)
     assert_cover_once(chunker.chunks(), plan.n_blocks)
+
+
+# -- blocks sized by a reduction within rows -----------------------------------------------
+
+
+def _mixture(k):
+    def fn(y, mu):
+        return jax.scipy.special.logsumexp(-0.5 * (y[:, None] - mu) ** 2, axis=-1)
+    return fn
+
+
+@pytest.mark.parametrize("k, rows", [(3, 8192), (8, 2048), (64, MIN_BLOCK_ROWS)])
+def test_a_reduction_within_rows_caps_the_blocks(k, rows):
+    """A mixture's ``logsumexp`` over ``k`` components reads ``k`` values per row: the
+    default blocks keep it under ``ROW_REDUCE_BYTES`` (float32), evened out; an elementwise
+    ``fn`` over the same data keeps the data's blocks."""
+    y, mu = jnp.zeros(1_000_000, jnp.float32), jnp.zeros(k, jnp.float32)
+    with pb.SerialExecutor() as ex:
+        pb.reduce_sum(_mixture(k), y, mu, executor=ex)
+        pb.reduce_sum(lambda y, mu: -0.5 * (y - mu[0]) ** 2, y, mu, executor=ex)
+        mixture, elementwise = ex.stats()["sites"]
+    assert rows // 2 < mixture["block_rows"] <= rows
+    assert mixture["block_rows"] * k * 4 <= ROW_REDUCE_BYTES
+    assert elementwise["block_rows"] == balance_blocks(plan_blocks(1_000_000, row_bytes=4)).block_rows
+    assert elementwise["block_rows"] > rows
+
+
+def test_row_reduce_cap_reads_only_reductions_within_rows():
+    rows = 1000
+    y, mu = jnp.zeros(rows), jnp.zeros(3)
+    assert row_reduce_cap(jax.make_jaxpr(_mixture(3))(y, mu), rows) == 1 << int(
+        np.log2(ROW_REDUCE_BYTES // (3 * y.dtype.itemsize)))
+    over_rows = jax.make_jaxpr(lambda y, mu: jnp.sum(y[:, None] * mu, axis=0).sum() + y)(y, mu)
+    assert row_reduce_cap(over_rows, rows) == 0
