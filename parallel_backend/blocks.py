@@ -149,12 +149,14 @@ def balance_blocks(plan: BlockPlan) -> BlockPlan:
 
     Examples
     --------
-    >>> plan = plan_blocks(200_000, row_bytes=20)
+    >>> plan = plan_blocks(1_000_000, row_bytes=20)
     >>> plan.n_blocks, plan.n_blocks * plan.block_rows - plan.n_rows
-    (25, 4800)
+    (62, 15808)
     >>> even = balance_blocks(plan)
     >>> even.block_rows, even.n_blocks, even.n_blocks * even.block_rows - even.n_rows
-    (8000, 25, 0)
+    (16144, 62, 928)
+    >>> balance_blocks(plan_blocks(200_000, row_bytes=20)).block_rows
+    12500
     >>> balance_blocks(plan_blocks(10_000, row_bytes=20)).block_rows
     2500
     """
@@ -365,10 +367,10 @@ def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None
     --------
     >>> plan = plan_blocks(200_000, row_bytes=20)
     >>> plan.block_rows, plan.n_blocks
-    (8192, 25)
+    (12512, 16)
     >>> tiles = plan_tiles(plan, threads=2)
-    >>> tiles.tile_blocks, tiles.tail, tiles.n_tiles, tiles.tile_range(5)
-    (4, True, 6, (20, 25))
+    >>> tiles.tile_blocks, tiles.tail, tiles.n_tiles, tiles.tile_range(3)
+    (4, True, 3, (12, 16))
     >>> plan_tiles(plan, batched=False).tile_blocks
     1
     """
