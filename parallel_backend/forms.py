@@ -87,10 +87,8 @@ def scan_reduce_per_row(closed, rows: int, trace) -> float:
 
 
 #: A batched block reads at most about this many bytes in each reduction within its
-#: rows. Measured (AMD 2, float32, 200,000 and 1,000,000 rows, both stacks): a mixture
-#: of 3 components ran at 0.73x-0.90x plain in blocks of 32,000 rows and at 0.92x-1.22x
-#: in blocks of 8,192 or fewer; of 8 components at 0.61x-0.88x in blocks of 8,000 and
-#: 0.88x-1.15x in blocks of 1,024 to 2,048.
+#: rows: a mixture's ``logsumexp`` lost to plain in large blocks, and a wider mixture
+#: from smaller blocks on (the sweeps: docs/performance.md, "The block rule").
 ROW_REDUCE_BYTES = 96 * 1024
 
 
@@ -98,22 +96,22 @@ def row_reduce_cap(closed, rows: int) -> int:
     """The most rows per block (a power of two) that keep the widest reduction within
     rows of ``fn``'s jaxpr (traced on ``rows`` rows) under :data:`ROW_REDUCE_BYTES`, or
     0 where ``fn`` reduces nothing within rows (then only the data sizes the blocks)."""
-    per_row = row_reduce_bytes(closed, rows)
+    per_row = _row_reduce_bytes(closed.jaxpr, rows)
     return 1 << int(math.log2(max(ROW_REDUCE_BYTES // per_row, 1))) if per_row else 0
 
 
-def row_reduce_bytes(closed, rows: int) -> int:
-    """Bytes per row of the widest array ``fn`` reduces within each row (a mixture's
+def _row_reduce_bytes(jaxpr, rows: int) -> int:
+    """Bytes per row of the widest array ``jaxpr`` reduces within each row (a mixture's
     ``logsumexp`` over its components: ``(rows, k)`` to ``(rows,)``, ``k`` values per
     row), at any depth, or 0. Reductions over the rows themselves do not count."""
     widest = 0
-    for eqn in closed.jaxpr.eqns if hasattr(closed, "jaxpr") else closed.eqns:
+    for eqn in jaxpr.eqns:
         aval = eqn.invars[0].aval if eqn.invars else None
         if (eqn.primitive.name in REDUCTIONS and aval is not None and len(aval.shape) > 1
                 and aval.shape[0] == rows and 0 not in eqn.params.get("axes", (0,))):
             widest = max(widest, math.prod(aval.shape[1:]) * aval.dtype.itemsize)
         for sub in jaxprs_in_params(eqn.params):
-            widest = max(widest, row_reduce_bytes(sub, rows))
+            widest = max(widest, _row_reduce_bytes(sub, rows))
     return widest
 
 
@@ -184,10 +182,10 @@ def index_leaves(closed, leaves) -> tuple:
 
     The in-graph route lets XLA see such data (see ``spec.Program._graph_fn``): the
     ``(block, index)`` pairs of a gather's batched transpose are then folded once at
-    compile time instead of rebuilt at every evaluation (grouped regression,
-    1,000,000 rows: 0.81x to 1.18x plain), and folding positions changes no
-    rounding. Data read as a number stays hidden, as everywhere else: XLA would
-    evaluate its functions at compile time with other code than the host route runs.
+    compile time instead of rebuilt at every evaluation (docs/performance.md, "Data
+    read only as positions"), and a position is never rounded. Data read as a number
+    stays hidden, as everywhere else: folded, XLA could evaluate functions of it at
+    compile time with other code than the host route runs.
     """
     out = []
     for k in leaves:
