@@ -214,7 +214,7 @@ class Program:
             return jnp.sum(jnp.where(mask, pointwise, 0) if masked else pointwise)
 
         if not (any(diff_traced) or any(diff_shared)):
-            return Partials(total(self._unknown(raw, residuals, traced, shared)), (), ())
+            return Partials(total(self._unknown(raw, residuals, traced, shared)), (), ()).pinned()
         td, sd = kept(traced, diff_traced), kept(shared, diff_shared)
 
         def terms(td, sd):
@@ -224,7 +224,7 @@ class Program:
         # The gradient of a sum is the pullback of ones; padded rows pull back zeros.
         pointwise, pullback = jax.vjp(terms, td, sd)
         gt, gs = pullback(mask.astype(pointwise.dtype) if masked else jnp.ones_like(pointwise))
-        return Partials(total(pointwise), tuple(gs), tuple(gt))
+        return Partials(total(pointwise), tuple(gs), tuple(gt)).pinned()
 
     def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared,
                 masked: bool = False, tail=None, set_axes=None, order: int = 1) -> Partials:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .blocks import tree_sum, xla_threads
@@ -61,6 +62,28 @@ class Partials(NamedTuple):
     values: Any
     shared_grads: tuple
     data_grads: tuple
+
+    def pinned(self) -> Partials:
+        """These partials, bit for bit, computed beside a small integer matrix product.
+
+        XLA:CPU compiles a ``while`` loop that reads little memory and holds no matrix
+        product as one kernel (its ``SmallWhileLoopHoistingPass``), and a block inside
+        such a loop (NUTS on small data, a ``scan``) rounded unlike the same block in a
+        chunk program of the host route, which is compiled op by op. A product in every
+        block (whose result selects nothing: it is never negative) keeps any loop around
+        one out of that path, on every route. The values and shared gradients carry it;
+        per-row gradients do not need to."""
+        flag = (self.values == self.values).astype(jnp.int32)
+        grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
+        product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))
+        keep = product[..., 0, 0] >= 0
+
+        def pin(x):
+            k = keep.reshape(keep.shape + (1,) * (jnp.ndim(x) - keep.ndim))
+            return jnp.where(k, x, jnp.nan)
+
+        return Partials(pin(self.values), tuple(pin(g) for g in self.shared_grads),
+                        self.data_grads)
 
 
 def combine(values, shared_grads, data_grads):
