@@ -17,19 +17,23 @@ hoisted when the residuals would take more than ``MAX_RESIDUAL_RATIO`` times the
 memory of the data. The split depends only on the jaxpr, so every process makes
 the same one. Where nothing is hoisted, a block calls ``fn`` itself (:func:`calls_fn`);
 otherwise the two parts are jaxprs of ``fn``'s equations, built and evaluated with
-``jax.extend.core`` (:func:`part`). Imports jax only.
+``jax.extend.core`` (:func:`part`). Imports jax and numpy.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from .internals import CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 from .internals import HOST_CODE as _HOST_CODE
 
-__all__ = ["Split", "calls_fn", "known_function", "part", "split_known", "unknown_function"]
+__all__ = ["Split", "calls_fn", "conditions", "constant_conditions", "known_function", "part",
+           "split_known", "unknown_function"]
 
 #: Primitives not worth a stored residual on their own: data movement and arithmetic
 #: that costs about as much as reading its result back from memory.
@@ -65,6 +69,9 @@ class Split(NamedTuple):
         The variables of the known part that the unknown part reads (or returns).
     raw : tuple of int
         The resident leaves (by position) that the unknown part reads directly.
+    constants : tuple of (var, bool)
+        Conditions on the data alone that hold everywhere or nowhere in it (see
+        :func:`constant_conditions`): the unknown part reads each as a constant.
     """
 
     jaxpr: object
@@ -74,11 +81,13 @@ class Split(NamedTuple):
     unknown: tuple
     residuals: tuple
     raw: tuple
+    constants: tuple = ()
 
     @property
     def hoisted(self) -> bool:
-        """Whether anything is computed once (otherwise the unknown part is all of ``fn``)."""
-        return bool(self.residuals)
+        """Whether the block runs the split (something computed once, or a condition
+        read as a constant) rather than ``fn`` itself."""
+        return bool(self.residuals or self.constants)
 
 
 def _is_cheap(eqn) -> bool:
@@ -107,8 +116,41 @@ def _nbytes(var) -> int:
     return size * aval.dtype.itemsize
 
 
-def split_known(closed, n_resident: int, n_traced: int) -> Split:
-    """Split ``closed`` (``fn`` on one block) into the part computed once and the rest.
+def _known(jaxpr, n_resident: int) -> tuple:
+    """Per equation of ``jaxpr``: whether it depends on the first ``n_resident`` inputs
+    (the resident data) and constants alone, and whether it depends on the data at all."""
+    known_vars = set(jaxpr.invars[:n_resident]) | set(jaxpr.constvars)
+    from_data = set(jaxpr.invars[:n_resident])  # known variables computed from the data
+    is_known, on_data = [], []
+    for eqn in jaxpr.eqns:
+        ok = (not eqn.effects and not _runs_host_code(eqn)
+              and all(isinstance(v, Literal) or v in known_vars for v in eqn.invars))
+        is_known.append(ok)
+        on_data.append(ok and any(v in from_data for v in eqn.invars if not isinstance(v, Literal)))
+        if ok:
+            known_vars.update(eqn.outvars)
+        if on_data[-1]:
+            from_data.update(eqn.outvars)
+    return is_known, on_data
+
+
+def _producers(jaxpr, outs) -> tuple:
+    """The equations (indices, in order) that ``outs``, computed from the data alone,
+    depend on."""
+    producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    wanted, stack = set(), list(outs)
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in wanted:
+            continue
+        wanted.add(i)
+        stack += [u for u in jaxpr.eqns[i].invars if not isinstance(u, Literal)]
+    return tuple(sorted(wanted))
+
+
+def split_known(closed, n_resident: int, n_traced: int, constants=()) -> Split:
+    """Split ``closed`` (``fn`` on one block) into the part computed once and the rest;
+    ``constants`` (from :func:`constant_conditions`) are read as constants.
 
     Examples
     --------
@@ -123,19 +165,16 @@ def split_known(closed, n_resident: int, n_traced: int) -> Split:
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     resident = jaxpr.invars[:n_resident]
-    known_vars = set(resident) | set(jaxpr.constvars)
-    from_data = set(resident)  # known variables that depend on the data (not constants only)
-    is_known, on_data = [], []
-    for eqn in eqns:
-        ok = (not eqn.effects and not _runs_host_code(eqn)
-              and all(isinstance(v, Literal) or v in known_vars for v in eqn.invars))
-        is_known.append(ok)
-        on_data.append(ok and any(v in from_data for v in eqn.invars if not isinstance(v, Literal)))
-        if ok:
-            known_vars.update(eqn.outvars)
-        if on_data[-1]:
-            from_data.update(eqn.outvars)
+    is_known, on_data = _known(jaxpr, n_resident)
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    const_vars = {}
+    for i, name, value in constants:
+        if i >= len(eqns) or eqns[i].primitive.name != name or not is_known[i]:
+            raise RuntimeError(f"fn traced to another program in this process: equation {i} "
+                               f"is not the condition {name!r} found where the site was made")
+        const_vars[eqns[i].outvars[0]] = value
+    consts = tuple((v, const_vars[v]) for v in sorted(const_vars, key=producer.get))
+    dropped = {producer[v] for v in const_vars}  # their producers: not evaluated per call
 
     # Walk back from what the unknown part needs; a known cheap equation is moved to
     # the unknown part (recomputed) and its own inputs become needed in turn.
@@ -150,7 +189,7 @@ def split_known(closed, n_resident: int, n_traced: int) -> Split:
             continue
         seen.add(v)
         i = producer.get(v)
-        if i is None or not is_known[i]:
+        if i is None or not is_known[i] or v in const_vars:
             continue  # an input, a constant, or made by the unknown part
         # Constants alone are XLA's to fold, the same way in every program.
         if _is_cheap(eqns[i]) or not on_data[i]:
@@ -161,24 +200,17 @@ def split_known(closed, n_resident: int, n_traced: int) -> Split:
             residuals.append(v)
 
     def none() -> Split:
-        used = {v for e in eqns for v in e.invars if not isinstance(v, Literal)} | set(jaxpr.outvars)
-        raw = tuple(k for k, v in enumerate(resident) if v in used)
-        return Split(closed, n_resident, n_traced, (), tuple(range(len(eqns))), (), raw)
+        unknown = tuple(i for i in range(len(eqns)) if i not in dropped)
+        used = {v for i in unknown for v in eqns[i].invars if not isinstance(v, Literal)}
+        raw = tuple(k for k, v in enumerate(resident) if v in used | set(jaxpr.outvars))
+        return Split(closed, n_resident, n_traced, (), unknown, (), raw, consts)
 
     if not residuals:
         return none()
     block_bytes = sum(_nbytes(v) for v in resident) or 1
     if sum(_nbytes(v) for v in residuals) > MAX_RESIDUAL_RATIO * block_bytes:
         return none()
-    # The known part: only the known equations the residuals depend on.
-    wanted, stack = set(), list(residuals)
-    while stack:
-        v = stack.pop()
-        i = producer.get(v)
-        if i is None or i in wanted or not is_known[i]:
-            continue
-        wanted.add(i)
-        stack += [u for u in eqns[i].invars if not isinstance(u, Literal)]
+    wanted = _producers(jaxpr, residuals)  # the known part
     unknown = tuple(i for i in range(len(eqns)) if not is_known[i] or moved[i])
     reads = {v for i in unknown for v in eqns[i].invars if not isinstance(v, Literal)}
     reads |= set(jaxpr.outvars)
@@ -187,26 +219,27 @@ def split_known(closed, n_resident: int, n_traced: int) -> Split:
     residuals = tuple(sorted(set(residuals) & reads, key=lambda v: producer[v]))
     if not residuals:
         return none()
-    return Split(closed, n_resident, n_traced, tuple(sorted(wanted)), unknown, residuals, raw)
+    return Split(closed, n_resident, n_traced, wanted, unknown, residuals, raw,
+                 consts)
 
 
-def part(split: Split, eqns, invars, outvars):
-    """The equations ``eqns`` of ``split.jaxpr`` as a function of ``invars`` (built with
-    ``jax.extend.core``'s ``Jaxpr`` and evaluated by its ``jaxpr_as_fun``, as JAX
-    evaluates any jaxpr)."""
-    jaxpr = split.jaxpr.jaxpr
+def part(closed, eqns, invars, outvars):
+    """The equations ``eqns`` of ``closed`` (``fn``'s jaxpr on one block) as a function of
+    ``invars`` (built with ``jax.extend.core``'s ``Jaxpr`` and evaluated by its
+    ``jaxpr_as_fun``, as JAX evaluates any jaxpr)."""
+    jaxpr = closed.jaxpr
     info = DebugInfo("reduce_sum block", "parallel_backend.hoist",
                      tuple(f"in{i}" for i in range(len(invars))),
                      tuple(f"out{i}" for i in range(len(outvars))))
     sub = Jaxpr(jaxpr.constvars, list(invars), list(outvars),
                 [jaxpr.eqns[i] for i in eqns], jaxpr.effects, info)
-    return jaxpr_as_fun(ClosedJaxpr(sub, split.jaxpr.consts))
+    return jaxpr_as_fun(ClosedJaxpr(sub, closed.consts))
 
 
 def known_function(split: Split):
     """``f(resident_leaves) -> residuals`` for one block."""
     inv = split.jaxpr.jaxpr.invars
-    run = part(split, split.known, inv[:split.n_resident], split.residuals)
+    run = part(split.jaxpr, split.known, inv[:split.n_resident], split.residuals)
 
     def known(resident):
         return tuple(run(*resident))
@@ -220,16 +253,65 @@ def unknown_function(split: Split):
     otherwise the site calls ``fn`` itself)."""
     inv = split.jaxpr.jaxpr.invars
     start = split.n_resident + split.n_traced
-    run = part(split, split.unknown,
+    run = part(split.jaxpr, split.unknown,
                [inv[k] for k in split.raw] + list(split.residuals)
+               + [v for v, _ in split.constants]
                + list(inv[split.n_resident:start]) + list(inv[start:]),
                split.jaxpr.jaxpr.outvars)
+    fills = [(v.aval.shape, v.aval.dtype, value) for v, value in split.constants]
 
     def unknown(raw, residuals, traced, shared):
-        (out,) = run(*raw, *residuals, *traced, *shared)
+        # A constant of the program, the same in every route: XLA may simplify with it.
+        constants = [jnp.full(shape, value, dtype) for shape, dtype, value in fills]
+        (out,) = run(*raw, *residuals, *constants, *traced, *shared)
         return out
 
     return unknown
+
+
+def conditions(closed, n_resident: int) -> tuple:
+    """Equations (indices) of ``closed`` that make a boolean from the resident data alone
+    which the rest of ``fn`` reads: a support check (``y >= 0``, ``y % 1 == 0``) that
+    NumPyro's ``validate_args`` puts in front of every ``log_prob``, a mask."""
+    jaxpr = closed.jaxpr
+    is_known, on_data = _known(jaxpr, n_resident)
+    read = {v for i, e in enumerate(jaxpr.eqns) if not is_known[i] for v in e.invars
+            if not isinstance(v, Literal)}
+    return tuple(i for i, e in enumerate(jaxpr.eqns)
+                 if on_data[i] and len(e.outvars) == 1 and e.outvars[0] in read
+                 and e.outvars[0].aval.dtype == jnp.bool_)
+
+
+def constant_conditions(closed, n_resident: int, blocks) -> tuple:
+    """``((equation, primitive name, value), ...)``: the :func:`conditions` of ``closed``
+    that are ``True`` everywhere in the data, or ``False`` everywhere. ``blocks``: the
+    resident leaves, padded into blocks as every route reads them.
+
+    Every route reads such a condition as a constant (:func:`split_known`), so XLA
+    may simplify the program with it (a ``where`` that always keeps the log-density is
+    dropped) the same way on every route. Plain NumPyro gets the same from XLA, which
+    folds the data it closes over; a block cannot let it, as the host route passes
+    the data at run time (docs/performance.md, "Conditions on the data")."""
+    found = conditions(closed, n_resident)
+    if not found:
+        return ()
+    jaxpr = closed.jaxpr
+    outs = [jaxpr.eqns[i].outvars[0] for i in found]
+    run = part(closed, _producers(jaxpr, outs), jaxpr.invars[:n_resident], outs)
+
+    def values(*leaves):
+        return tuple(run(*leaves))
+
+    try:
+        held = jax.jit(jax.vmap(values))(*blocks)
+    except Exception:  # noqa: BLE001 - not batchable: one block at a time
+        held = jax.jit(lambda *b: lax.map(lambda x: values(*x), b))(*blocks)
+    out = []
+    for i, value in zip(found, held):
+        value = np.asarray(value)
+        if value.size and (value.all() or not value.any()):
+            out.append((i, jaxpr.eqns[i].primitive.name, bool(value.all())))
+    return tuple(out)
 
 
 def calls_fn(spec, resident, raw):

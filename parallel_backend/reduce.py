@@ -35,12 +35,13 @@ from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import detect_form, row_reduce_cap, scan_reduce_per_row
+from .hoist import conditions, constant_conditions
 from .identity import site_key, snapshot
 from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
-from .site import SiteState
+from .site import SiteState, run_eagerly
 from .spec import SiteSpec
-from .tasks import combine
+from .tasks import combine, host_device, pad_blocks
 
 __all__ = ["reduce_sum"]
 
@@ -180,7 +181,25 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         if cap and max(cap, MIN_BLOCK_ROWS) < plan.block_rows:
             plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
         plan = balance_blocks(plan)
-    return draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
+    spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
+    resident = [x for x, t in zip(leaves, traced) if not t]
+    return spec._replace(constants=_constants(spec, resident))
+
+
+def _constants(spec: SiteSpec, resident) -> tuple:
+    """The conditions on the data that hold everywhere or nowhere in it, read as constants
+    on every route (:func:`.hoist.constant_conditions`), from ``fn`` traced on one block
+    of ``spec``'s plan, as every process traces it."""
+    structs = spec.block_struct()
+    with jax.enable_x64(spec.x64), jax.default_device(host_device()):
+        closed = jax.make_jaxpr(spec.block_fn())(*structs)
+        if not conditions(closed, len(structs[0])):
+            return ()
+        blocks = [pad_blocks(np.asarray(x), spec.plan) for x in resident]
+        try:
+            return run_eagerly(constant_conditions, closed, len(structs[0]), blocks)
+        except Exception:  # noqa: BLE001 - a shortcut only: without it every route reads them
+            return ()
 
 
 def _batchable(block, resident, traced, shared) -> bool:

@@ -62,6 +62,9 @@ class SiteSpec(NamedTuple):
         The caller's ``jax_enable_x64``: blocks run in the same precision everywhere.
     label : str
         ``fn``'s name, for messages.
+    constants : tuple
+        Conditions on the data that hold everywhere or nowhere in it, read as constants
+        on every route (:func:`.hoist.constant_conditions`).
     """
 
     fn: Any
@@ -76,6 +79,7 @@ class SiteSpec(NamedTuple):
     value_dtype: str
     x64: bool
     label: str
+    constants: tuple = ()
 
     @property
     def n_traced(self) -> int:
@@ -135,13 +139,12 @@ class Program:
         resident, traced, shared = spec.block_struct()
         with jax.enable_x64(spec.x64):
             closed = jax.make_jaxpr(spec.block_fn())(resident, traced, shared)
-        self.split: Split = split_known(closed, len(resident), len(traced))
+        self.split: Split = split_known(closed, len(resident), len(traced), spec.constants)
         #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
         self.blocks_pool = blocks_pool(closed)
         #: Per prepared leaf, whether ``fn`` reads it only as positions: the in-graph
         #: route shows those to XLA (see :func:`.forms.index_leaves`); residuals never.
-        self.positions = index_leaves(closed, self.split.raw) + (False,) * (
-            len(self.split.residuals) if self.split.hoisted else 0)
+        self.positions = index_leaves(closed, self.split.raw) + (False,) * len(self.split.residuals)
         if self.split.hoisted:
             self._known = known_function(self.split)
             self._unknown = unknown_function(self.split)
@@ -172,7 +175,7 @@ class Program:
         with jax.enable_x64(self.spec.x64), jax.default_device(host_device()):
             blocks = [_owned(pad_blocks(np.asarray(x), plan)) for x in resident_leaves]
             raw = tuple(blocks[k] for k in self.split.raw)
-            if not self.split.hoisted:
+            if not self.split.residuals:
                 return raw
             try:
                 residuals = jax.jit(jax.vmap(self._known))(blocks)
