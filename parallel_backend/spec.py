@@ -63,8 +63,7 @@ class SiteSpec(NamedTuple):
     label : str
         ``fn``'s name, for messages.
     constants : tuple
-        Conditions on the data that hold everywhere or nowhere in it, read as constants
-        on every route (:func:`.hoist.constant_conditions`).
+        Conditions on the data read as constants (:func:`.hoist.constant_conditions`).
     """
 
     fn: Any
@@ -190,9 +189,10 @@ class Program:
     # -- one block, and runs of blocks --------------------------------------------
 
     def _block(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-               masked=True, order=1) -> Partials:
+               masked=True, order=1, pin=True) -> Partials:
         """One block's partials: its value, shared gradients, per-row gradients. A
-        ``masked`` block keeps its rows from ``valid`` on (padding) out of all three.
+        ``masked`` block keeps its rows from ``valid`` on (padding) out of all three;
+        ``pin``: beside the small product of :meth:`.tasks.Partials.pinned`.
 
         ``order=2``: ``traced`` and ``shared`` end with the tangents of the leaves
         ``diff_traced``/``diff_shared`` mark, and the partials are the tangents of the
@@ -204,7 +204,7 @@ class Program:
             def first(td, sd):
                 return self._block(prepared, merge(traced, td, diff_traced),
                                    merge(shared, sd, diff_shared), valid, diff_traced,
-                                   diff_shared, masked)
+                                   diff_shared, masked, pin=pin)
 
             return jax.jvp(first, (tuple(kept(traced, diff_traced)),
                                    tuple(kept(shared, diff_shared))),
@@ -217,7 +217,7 @@ class Program:
             return jnp.sum(jnp.where(mask, pointwise, 0) if masked else pointwise)
 
         if not (any(diff_traced) or any(diff_shared)):
-            return Partials(total(self._unknown(raw, residuals, traced, shared)), (), ()).pinned()
+            return Partials(total(self._unknown(raw, residuals, traced, shared)), (), ()).pinned(pin)
         td, sd = kept(traced, diff_traced), kept(shared, diff_shared)
 
         def terms(td, sd):
@@ -227,7 +227,7 @@ class Program:
         # The gradient of a sum is the pullback of ones; padded rows pull back zeros.
         pointwise, pullback = jax.vjp(terms, td, sd)
         gt, gs = pullback(mask.astype(pointwise.dtype) if masked else jnp.ones_like(pointwise))
-        return Partials(total(pointwise), tuple(gs), tuple(gt)).pinned()
+        return Partials(total(pointwise), tuple(gs), tuple(gt)).pinned(pin)
 
     def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared,
                 masked: bool = False, tail=None, set_axes=None, order: int = 1) -> Partials:
@@ -282,12 +282,13 @@ class Program:
             p = tuple(lax.dynamic_index_in_dim(x, first + i, keepdims=False) for x in prepared)
             t = tuple(lax.dynamic_index_in_dim(x, i, keepdims=False) for x in traced)
             v = lax.dynamic_index_in_dim(valid, i, keepdims=False)
-            out = self._block(p, t, shared, v, diff_traced, diff_shared, order=order)
+            out = self._block(p, t, shared, v, diff_traced, diff_shared, order=order, pin=False)
             return (values.at[i].set(out.values),
                     tuple(a.at[i].set(g) for a, g in zip(g_shared, out.shared_grads)),
                     tuple(a.at[i].set(g) for a, g in zip(g_data, out.data_grads)))
 
-        return Partials(*lax.fori_loop(0, count, body, (values, g_shared, g_data)))
+        # Pinned outside the loop: it may still compile as one kernel, alike on every route.
+        return Partials(*lax.fori_loop(0, count, body, (values, g_shared, g_data))).pinned()
 
     # -- the graph path: all blocks inside the caller's program --------------------
 

@@ -63,8 +63,9 @@ class Partials(NamedTuple):
     shared_grads: tuple
     data_grads: tuple
 
-    def pinned(self) -> Partials:
-        """These partials, bit for bit, computed beside a small integer matrix product.
+    def pinned(self, on: bool = True) -> Partials:
+        """These partials, bit for bit, computed beside a small integer matrix product
+        (``on``; otherwise as they are).
 
         XLA:CPU compiles a ``while`` loop that reads little memory and holds no matrix
         product as one kernel (its ``SmallWhileLoopHoistingPass``), and a block inside
@@ -73,6 +74,8 @@ class Partials(NamedTuple):
         block (whose result selects nothing: it is never negative) keeps any loop around
         one out of that path, on every route. The values and shared gradients carry it;
         per-row gradients do not need to."""
+        if not on:
+            return self
         flag = (self.values == self.values).astype(jnp.int32)
         grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
         product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))

@@ -18,15 +18,24 @@ def normal(rows, a, b, s):  # no ``where`` anywhere: nothing else keeps the loop
     return -0.5 * ((rows["y"] - a - b * rows["x"]) / s) ** 2 - jnp.log(jnp.sqrt(2 * jnp.pi) * s)
 
 
+def running(rows, a, b, s):  # a scan per row: the looped form, its own loop over blocks
+    def step(c, x):
+        c = 0.5 * c + a + b * x
+        return c, -0.5 * ((x - c) / s) ** 2
+    xs = jnp.stack([rows["x"], rows["y"]], axis=1).T
+    return jax.lax.scan(step, jnp.zeros_like(rows["x"]), xs)[1].sum(0) - 2 * jnp.log(s)
+
+
+@pytest.mark.parametrize("fn", [normal, running], ids=["batched", "looped"])
 @pytest.mark.parametrize("loop", ["scan", "map", "fori"])
-def test_a_small_loop_over_the_graph_gives_the_host_bits(loop, assert_identical):
+def test_a_small_loop_over_the_graph_gives_the_host_bits(loop, fn, assert_identical):
     data = regression_data(400)
     rng = np.random.default_rng(0)
     sets = jnp.asarray(np.abs(rng.normal(size=(64, 3))).astype(np.float32) + 0.1)
 
     def run(executor):
         def grad(p):
-            return jax.grad(lambda p: pb.reduce_sum(normal, data, p[0], p[1], p[2],
+            return jax.grad(lambda p: pb.reduce_sum(fn, data, p[0], p[1], p[2],
                                                     executor=executor, block_rows=64))(p)
 
         if loop == "scan":
@@ -46,7 +55,7 @@ def test_a_small_loop_over_the_graph_gives_the_host_bits(loop, assert_identical)
         assert_identical(run(host), want)
     # ...and the loop changed nothing: each set alone, outside any loop.
     with pb.SerialExecutor() as graph:
-        one = jax.jit(jax.grad(lambda p: pb.reduce_sum(normal, data, p[0], p[1], p[2],
+        one = jax.jit(jax.grad(lambda p: pb.reduce_sum(fn, data, p[0], p[1], p[2],
                                                        executor=graph, block_rows=64)))
         if loop != "fori":
             assert_identical(np.stack([np.asarray(one(p)) for p in sets]), want)
