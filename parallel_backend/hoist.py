@@ -282,17 +282,18 @@ def conditions(closed, n_resident: int) -> tuple:
                  and e.outvars[0].aval.dtype == jnp.bool_)
 
 
-def constant_conditions(closed, n_resident: int, blocks) -> tuple:
+def constant_conditions(closed, n_resident: int, blocks, found=None) -> tuple:
     """``((equation, primitive name, value), ...)``: the :func:`conditions` of ``closed``
     that are ``True`` everywhere in the data, or ``False`` everywhere. ``blocks``: the
-    resident leaves, padded into blocks as every route reads them.
+    resident leaves, padded into blocks as every route reads them; ``found``: the
+    :func:`conditions` of ``closed`` where the caller has them already.
 
     Every route reads such a condition as a constant (:func:`split_known`), so XLA
     may simplify the program with it (a ``where`` that always keeps the log-density is
     dropped) the same way on every route. Plain NumPyro gets the same from XLA, which
     folds the data it closes over; a block cannot let it, as the host route passes
     the data at run time (docs/performance.md, "Conditions on the data")."""
-    found = conditions(closed, n_resident)
+    found = conditions(closed, n_resident) if found is None else found
     if not found:
         return ()
     jaxpr = closed.jaxpr

@@ -153,7 +153,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
     a trace of ``fn`` on one block), the tile plan, and, with the default block size,
     the form's own blocks: for the batched form no larger than
     :func:`~.forms.row_reduce_cap` allows and evened out so that the last block needs
-    little padding, for the looped form :func:`~.blocks.looped_blocks`."""
+    little padding, for the looped form :func:`~.blocks.looped_blocks`; and the
+    conditions on the resident rows read as constants."""
     traced = tuple(_is_traced(x) for x in leaves)
     row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
     shared_avals = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in shared_leaves)
@@ -193,11 +194,12 @@ def _constants(spec: SiteSpec, resident) -> tuple:
     structs = spec.block_struct()
     with jax.enable_x64(spec.x64), jax.default_device(host_device()):
         closed = jax.make_jaxpr(spec.block_fn())(*structs)
-        if not conditions(closed, len(structs[0])):
+        found = conditions(closed, len(structs[0]))
+        if not found:  # the data are padded into blocks only where there is a condition
             return ()
         blocks = [pad_blocks(np.asarray(x), spec.plan) for x in resident]
         try:
-            return run_eagerly(constant_conditions, closed, len(structs[0]), blocks)
+            return run_eagerly(constant_conditions, closed, len(structs[0]), blocks, found)
         except Exception:  # noqa: BLE001 - a shortcut only: without it every route reads them
             return ()
 
