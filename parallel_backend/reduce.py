@@ -135,7 +135,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
 
     def make():
         spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
-                         value_dtype, x64, balance=block_rows is None)
+                         value_dtype, x64, balance=block_rows is None, resident=resident)
         return SiteState(spec, resident, executor.workers)
 
     state = executor.site_state(key, make)
@@ -148,7 +148,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
-              label=None, balance=True) -> SiteSpec:
+              label=None, balance=True, resident=None) -> SiteSpec:
     """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
     a trace of ``fn`` on one block), the tile plan, and, with the default block size,
     the form's own blocks: for the batched form no larger than
@@ -162,7 +162,7 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
     draft = SiteSpec(fn, data_treedef, shared_treedef, traced, row_avals, shared_avals, plan,
                      TilePlan(plan.n_blocks, 1), "batched", str(np.dtype(value_dtype)),
                      bool(x64), label)
-    resident, traced_s, shared_s = draft.block_struct()
+    resident_s, traced_s, shared_s = draft.block_struct()
     block = draft.block_fn()
 
     def trace(rows):  # fn on a block of ``rows`` rows
@@ -170,9 +170,9 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
                                      .block_struct())
 
     with jax.enable_x64(x64):
-        closed = jax.make_jaxpr(block)(resident, traced_s, shared_s)
+        closed = jax.make_jaxpr(block)(resident_s, traced_s, shared_s)
         form = detect_form(closed)
-        if form == "batched" and not _batchable(block, resident, traced_s, shared_s):
+        if form == "batched" and not _batchable(block, resident_s, traced_s, shared_s):
             form = "looped"
         if balance and form == "looped":
             plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
@@ -183,7 +183,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
             plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
         plan = balance_blocks(plan)
     spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
-    resident = [x for x, t in zip(leaves, traced) if not t]
+    if resident is None:
+        resident = [x for x, t in zip(leaves, traced) if not t]
     return spec._replace(constants=_constants(spec, resident))
 
 

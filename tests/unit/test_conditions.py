@@ -106,3 +106,22 @@ def test_a_spec_with_constants_rebuilds_the_same_program_elsewhere():
     program = Program(spec)
     assert [value for _, value in program.split.constants] == [True]
     assert program.split.hoisted
+
+
+def test_conditions_are_read_from_the_rows_the_site_keeps():
+    # The site keeps a copy of a NumPy leaf; its conditions must come from that copy,
+    # not from the user's array, which may change while the site is made (here: fn,
+    # traced again when the site is made, mends the one row outside the support).
+    y = np.r_[np.arange(49.0), 0.5].astype(np.float32)  # not a count: -inf in plain
+    traces = []
+
+    def fn(rows, mu):
+        if traces:
+            y[-1] = 1.0
+        traces.append(1)
+        return checked(rows, mu)
+
+    with pb.SerialExecutor() as ex:
+        got = float(pb.reduce_sum(fn, y, jnp.float32(2.0), executor=ex))
+    assert len(traces) > 1 and y[-1] == 1.0  # the change did happen after the copy
+    assert got == -np.inf  # the rows the site keeps: one is outside the support
