@@ -14,10 +14,13 @@ digest is remembered while it lives (a weak reference guards against a reused ``
 A NumPy array can be changed in place between two fits, so it is hashed again at every
 trace, and a site keeps a copy of it, and of the NumPy arrays its function closes over
 (:func:`snapshot`, :func:`frozen`), so that what the site holds is what its key says
-whatever the user does to the arrays afterwards. Anything else (an object that is
-neither a value, an array, a container nor a function) is keyed by identity, and the
-key holds it, so that its ``id`` cannot be reused while the key lives. Imports jax,
-numpy, hashlib and the standard library.
+whatever the user does to the arrays afterwards. An object with attributes of its own
+(``self`` of a bound method, a configuration, a distribution closed over) is keyed by
+its class and the keys of its attributes, and copied with its NumPy arrays the same
+way, so that ``self.w[0] = 2.0`` between two fits is seen; objects of libraries that
+hold live state (clients, pools, executors, loggers, progress bars) and anything else
+are keyed by identity, and the key holds them, so that an ``id`` cannot be reused
+while the key lives. Imports jax, numpy, hashlib and the standard library.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ __all__ = ["digest", "frozen", "function_key", "site_key", "snapshot"]
 #: How deep :func:`function_key` and :func:`frozen` follow functions, containers and
 #: callable objects (a cycle ends here too).
 MAX_DEPTH = 8
+
+#: The top-level packages whose objects are keyed by identity, never by their
+#: attributes: they hold live state (clients, pools, executors, threads, loggers,
+#: progress bars) that changes while the object stays what it is.
+LIVE_PACKAGES = frozenset({"parallel_backend", "distributed", "dask", "concurrent",
+                           "threading", "multiprocessing", "asyncio", "queue", "socket",
+                           "logging", "tqdm", "jax", "jaxlib"})
 
 _lock = threading.Lock()
 _memo: dict = {}  # id(jax.Array) -> (weakref to it, digest); JAX arrays only
@@ -146,8 +156,9 @@ def function_key(fn, _depth: int = 0):
 
 
 def _global_arrays(fn) -> tuple:
-    """``(name, digest)`` of the arrays among the globals ``fn``'s code (and the code
-    nested in it) names: data a function reads from its module is part of it too."""
+    """``(name, key)`` of the arrays (a digest) and of the objects with attributes (see
+    :func:`_attributes`) among the globals ``fn``'s code (and the code nested in it)
+    names: data a function reads from its module is part of it too."""
     found = getattr(fn, "__globals__", None) or {}
     out = []
     for name in sorted(_names(fn.__code__)):
@@ -157,6 +168,8 @@ def _global_arrays(fn) -> tuple:
                 out.append((name, digest(v)))
             except Exception:  # noqa: BLE001 - an array without host bytes: by identity
                 out.append((name, Same(v)))
+        elif v is not None and not callable(v) and _attributes(v) is not None:
+            out.append((name, _value_key(v, 1)))
     return tuple(out)
 
 
@@ -199,13 +212,33 @@ def _value_key(v, depth: int):
     if isinstance(v, dict):
         return ("dict", tuple((_value_key(k, depth + 1), _value_key(x, depth + 1))
                               for k, x in v.items()))
+    attrs = _attributes(v)
+    if attrs is not None:
+        return ("object", Same(type(v)),
+                tuple((k, _value_key(x, depth + 1)) for k, x in attrs.items()))
     return ("same", Same(v))
+
+
+def _attributes(v):
+    """The attributes of ``v`` that make it what it is (``vars(v)``), or ``None`` where
+    it is to be keyed by identity: an object without a ``__dict__``, with ``__slots__``
+    (state outside it), or of a package that holds live state (:data:`LIVE_PACKAGES`)."""
+    attrs = getattr(v, "__dict__", None)
+    if not isinstance(attrs, dict) or isinstance(v, (type, types.ModuleType)):
+        return None
+    kind = type(v)
+    if (kind.__module__ or "").partition(".")[0] in LIVE_PACKAGES:
+        return None
+    if any(getattr(c, "__slots__", ()) for c in kind.__mro__[:-1]):
+        return None
+    return attrs
 
 
 def frozen(fn):
     """``fn``, or, where it holds NumPy arrays (closed over, as defaults, as a
-    ``functools.partial``'s arguments or a callable object's attributes: what
-    :func:`function_key` keys by content), the same function over copies of them.
+    ``functools.partial``'s arguments, a callable object's or another object's
+    attributes, a bound method's ``self``: what :func:`function_key` keys by content),
+    the same function over copies of them.
 
     A site traces ``fn``'s block programs later (at its first evaluation, on a dask
     worker); over the user's arrays it would compute with whatever they hold then,
@@ -239,11 +272,13 @@ def _freeze(v, depth: int):
             return v
         return functools.partial(func, *args, **keywords)
     if isinstance(v, types.MethodType):
-        func = _freeze(v.__func__, depth + 1)
-        return v if func is v.__func__ else types.MethodType(func, v.__self__)
+        func, owner = _freeze(v.__func__, depth + 1), _freeze(v.__self__, depth + 1)
+        if func is v.__func__ and owner is v.__self__:
+            return v
+        return types.MethodType(func, owner)
     if isinstance(v, types.FunctionType):
         return _freeze_function(v, depth)
-    if _is_callable_object(v):
+    if _is_callable_object(v) or _attributes(v) is not None:
         attrs = {k: _freeze(x, depth + 1) for k, x in vars(v).items()}
         if _same(attrs, vars(v)):
             return v

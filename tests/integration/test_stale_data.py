@@ -63,6 +63,19 @@ def scaled_loglik(rows, mu):
     return -0.5 * jnp.sum((rows * SCALE - mu) ** 2, axis=1)
 
 
+class Config:
+    def __init__(self, w):
+        self.w = w
+
+
+#: An object read by :func:`global_object_loglik` from this module's globals.
+CONFIG = Config(np.ones(K, np.float32))
+
+
+def global_object_loglik(rows, mu):
+    return -0.5 * jnp.sum((rows * CONFIG.w - mu) ** 2, axis=1)
+
+
 def rows(seed, scale=1.0):
     return (scale * np.random.default_rng(seed).normal(size=(N, K))).astype(np.float32)
 
@@ -147,6 +160,70 @@ def test_closed_over_array_changed_in_place_between_fits(executor, assert_close)
     w *= 3.0
     assert_close(fresh(fn, executor, x)(0.3), plain(weighted(w.copy()), x)(0.3), RTOL)
     assert len([s for s in executor.sites() if not any(s.spec.traced)]) == 2
+
+
+class Weighted:
+    """A likelihood as a method of an object that holds its weights (``self.w``) and,
+    as a model class may, its executor; ``self.scale`` is rebound, ``self.w`` changed
+    in place."""
+
+    def __init__(self, w, executor=None):
+        self.w, self.scale, self.executor = w, 1.0, executor
+
+    def loglik(self, rows, mu):
+        return -0.5 * self.scale * jnp.sum((rows * self.w - mu) ** 2, axis=1)
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread2-host", "device-graph",
+                                      pytest.param("dask-host", marks=pytest.mark.dask)],
+                         indirect=True)
+def test_an_objects_arrays_changed_in_place_between_fits(executor, assert_close):
+    x, model = rows(0), Weighted(np.ones(K, np.float32))
+    assert_close(fresh(model.loglik, executor, x)(0.3), plain(model.loglik, x)(0.3), RTOL)
+    model.w *= 3.0  # in place: the same object, the same array object
+    want = plain(Weighted(model.w.copy()).loglik, x)(0.3)
+    assert_close(fresh(model.loglik, executor, x)(0.3), want, RTOL)
+    model.scale = 2.0  # rebound
+    want = plain(model.loglik, x)(0.3)
+    assert_close(fresh(model.loglik, executor, x)(0.3), want, RTOL)
+    assert len([s for s in executor.sites() if not any(s.spec.traced)]) == 3
+
+
+def test_an_object_read_as_a_global_is_keyed_by_its_attributes():
+    x = rows(0)
+    try:
+        with pb.SerialExecutor() as ex:
+            first = fresh(global_object_loglik, ex, x)(0.3)
+            CONFIG.w[:] = 3.0
+            second = fresh(global_object_loglik, ex, x)(0.3)
+            assert len(ex.sites()) == 2
+        assert not np.isclose(float(second[0]), float(first[0]), rtol=0.1)
+    finally:
+        CONFIG.w[:] = 1.0
+
+
+def test_objects_of_live_libraries_are_keyed_by_identity():
+    """An executor held by the object changes (its sites) as it runs: it is keyed by
+    identity, so the object's key stays while only the executor's state moves."""
+    with pb.ThreadExecutor(2) as ex:
+        model = Weighted(np.ones(K, np.float32), ex)
+        before = identity.function_key(model.loglik)
+        fresh(model.loglik, ex, rows(0))(0.3)
+        assert len(ex.sites()) == 1
+        assert identity.function_key(model.loglik) == before
+        model.w[0] = 2.0
+        assert identity.function_key(model.loglik) != before
+
+
+def test_a_site_keeps_a_copy_of_an_objects_arrays():
+    x, model = rows(0), Weighted(np.ones(K, np.float32))
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        fresh(model.loglik, ex, x).lower(0.3)  # traced, never evaluated
+        (state,) = ex.sites()
+        model.w[...] = 0.0
+        kept = state.spec.fn.__self__
+        assert kept is not model and np.array_equal(kept.w, np.ones(K))
+        assert kept.executor is model.executor  # only the arrays are copied
 
 
 @pytest.mark.parametrize("executor", ["serial", "thread2-host",
