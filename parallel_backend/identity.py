@@ -127,8 +127,23 @@ def function_key(fn, _depth: int = 0):
     """A hashable key under which a function rebuilt at every trace (a closure defined
     inside the model, a ``functools.partial``, a callable object) is the same function:
     its code, the keys of what it closes over (arrays by content, functions and callable
-    objects recursively, containers item by item, scalars and strings by value, anything
-    else by identity) and the digests of the global arrays its code names."""
+    objects recursively, containers item by item, scalars and strings by value, objects
+    by their attributes, anything else by identity) and of the globals its code names
+    (see :func:`_globals_key`): a helper redefined between two fits is another key."""
+    if getattr(_keying, "seen", None) is not None:
+        return _function_key(fn, _depth)
+    _keying.seen = {}  # functions of one module met on the way: each keyed once
+    try:
+        return _function_key(fn, _depth)
+    finally:
+        _keying.seen = None
+
+
+#: Per thread, while :func:`function_key` runs: the module-level functions keyed so far.
+_keying = threading.local()
+
+
+def _function_key(fn, _depth: int):
     if _depth > MAX_DEPTH:
         return ("deep", Same(fn))
     if isinstance(fn, functools.partial):
@@ -152,25 +167,66 @@ def function_key(fn, _depth: int = 0):
     defaults = tuple(_value_key(d, _depth) for d in (fn.__defaults__ or ()))
     kwdefaults = tuple((k, _value_key(v, _depth))
                        for k, v in sorted((fn.__kwdefaults__ or {}).items()))
-    return ("function", code, tuple(cells), defaults, kwdefaults, _global_arrays(fn))
+    return ("function", code, tuple(cells), defaults, kwdefaults, _globals_key(fn, _depth))
 
 
-def _global_arrays(fn) -> tuple:
-    """``(name, key)`` of the arrays (a digest) and of the objects with attributes (see
-    :func:`_attributes`) among the globals ``fn``'s code (and the code nested in it)
-    names: data a function reads from its module is part of it too."""
+def _globals_key(fn, depth: int) -> tuple:
+    """``(name, key)`` of the globals ``fn``'s code (and the code nested in it) names, as
+    plain NumPyro reads them again at every trace: arrays by a digest, functions of
+    ``fn``'s own module by :func:`function_key` (a helper redefined in a notebook),
+    other functions and callables by identity, classes by identity and their data
+    attributes, objects by their attributes (see :func:`_attributes`); modules and
+    builtins are left out."""
     found = getattr(fn, "__globals__", None) or {}
     out = []
     for name in sorted(_names(fn.__code__)):
         v = found.get(name)
-        if v is not None and _is_array(v):
+        if v is None or isinstance(v, types.ModuleType):
+            continue
+        if _is_array(v):
             try:
                 out.append((name, digest(v)))
             except Exception:  # noqa: BLE001 - an array without host bytes: by identity
                 out.append((name, Same(v)))
-        elif v is not None and not callable(v) and _attributes(v) is not None:
-            out.append((name, _value_key(v, 1)))
+        elif isinstance(v, type):
+            out.append((name, _class_key(v)))
+        elif isinstance(v, types.FunctionType) and v.__globals__ is found:
+            out.append((name, _module_function_key(v, depth)))
+        elif callable(v):
+            if not isinstance(v, types.BuiltinFunctionType):
+                out.append((name, Same(v)))
+        else:  # a value, a container, an object
+            out.append((name, _value_key(v, depth + 1)))
     return tuple(out)
+
+
+def _module_function_key(fn, depth: int):
+    """:func:`function_key` of a function of the same module, once per key (a helper
+    that calls itself, or two that call each other, end in a marker, not a loop)."""
+    seen = _keying.seen
+    if fn in seen:
+        return seen[fn] or ("cycle", fn.__qualname__)
+    seen[fn] = None
+    key = seen[fn] = _function_key(fn, depth + 1)
+    return key
+
+
+def _class_key(cls):
+    """A class by identity and its own data attributes (``Scale.k = 2.0`` is another
+    key); methods and descriptors are its code, which identity covers."""
+    data = tuple((k, _value_key(x, MAX_DEPTH - 1)) for k, x in vars(cls).items()
+                 if not k.startswith("__") and _is_data(x))
+    return ("class", Same(cls), data)
+
+
+def _is_data(v, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)) or _is_array(v):
+        return True
+    if depth < 2 and isinstance(v, (tuple, list)):
+        return all(_is_data(x, depth + 1) for x in v)
+    if depth < 2 and isinstance(v, dict):
+        return all(_is_data(x, depth + 1) for x in v.values())
+    return False
 
 
 def _names(code, depth: int = 0) -> set:
@@ -214,7 +270,7 @@ def _value_key(v, depth: int):
                               for k, x in v.items()))
     attrs = _attributes(v)
     if attrs is not None:
-        return ("object", Same(type(v)),
+        return ("object", _class_key(type(v)),
                 tuple((k, _value_key(x, depth + 1)) for k, x in attrs.items()))
     return ("same", Same(v))
 

@@ -202,6 +202,63 @@ def test_an_object_read_as_a_global_is_keyed_by_its_attributes():
         CONFIG.w[:] = 1.0
 
 
+NOTEBOOK = """
+import jax.numpy as jnp
+
+def link(m):
+    return jnp.exp(m)
+
+def loglik(rows, mu):
+    return -0.5 * jnp.sum((rows - link(mu)) ** 2, axis=1)
+"""
+
+
+def test_a_helper_redefined_between_fits_is_another_site(assert_close):
+    """As in a notebook: the likelihood calls a helper of its module, and a later cell
+    defines the helper again. Plain NumPyro traces the model again and reads the new
+    helper; so does the site."""
+    cell = {}
+    exec(NOTEBOOK, cell)  # noqa: S102 - a notebook's cells, run in one namespace
+    x = rows(0)
+    with pb.SerialExecutor() as ex:
+        first = fresh(cell["loglik"], ex, x)(0.3)
+        assert_close(first, plain(cell["loglik"], x)(0.3), RTOL)
+        exec("def link(m):\n    return 2.0 * m", cell)  # noqa: S102 - the next cell
+        second = fresh(cell["loglik"], ex, x)(0.3)
+        assert_close(second, plain(cell["loglik"], x)(0.3), RTOL)
+        assert len(ex.sites()) == 2
+    assert not np.isclose(float(second[0]), float(first[0]), rtol=0.1)
+
+
+class Spread:
+    k = 1.0
+
+
+def spread_loglik(rows, mu):
+    return -0.5 * jnp.sum((rows - Spread.k * mu) ** 2, axis=1)
+
+
+def recursive(n):
+    return 1.0 if n == 0 else recursive(n - 1) + ping(n - 1)
+
+
+def ping(n):
+    return 0.0 if n == 0 else recursive(n - 1)
+
+
+def test_class_attributes_and_helpers_that_call_each_other_are_keyed():
+    before = identity.function_key(spread_loglik)
+    assert identity.function_key(spread_loglik) == before
+    try:
+        Spread.k = 2.0
+        assert identity.function_key(spread_loglik) != before
+    finally:
+        Spread.k = 1.0
+    assert identity.function_key(spread_loglik) == before
+    # Helpers that call themselves and each other: a finite key, the same each time.
+    assert identity.function_key(recursive) == identity.function_key(recursive)
+
+
 def test_objects_of_live_libraries_are_keyed_by_identity():
     """An executor held by the object changes (its sites) as it runs: it is keyed by
     identity, so the object's key stays while only the executor's state moves."""
