@@ -41,7 +41,7 @@ from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
 from .site import SiteState, run_eagerly
 from .spec import SiteSpec
-from .tasks import combine, host_device, pad_blocks
+from .tasks import combine, fence, host_device, pad_blocks
 
 __all__ = ["reduce_sum"]
 
@@ -265,11 +265,13 @@ def _reduce(state, executor, grainsize, route, blocked):
     partials = set_batching(routed, host, graph, counted, route, state.spec.form)
 
     def run(traced, shared, choice, dt, ds):
-        # A barrier on the way out, on every route: without it XLA fused the caller's use
+        # A fence on the way out, on every route: without one XLA fused the caller's use
         # of the value and gradients (a sampler's leapfrog arithmetic) into the in-graph
         # evaluation's program but not into a host callback's, and rounded it differently
-        # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations).
-        return lax.optimization_barrier(combine(*partials(traced, shared, choice, dt, ds)))
+        # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations; a descent's step
+        # contracted to an FMA or not, jax 0.10). An optimization barrier did not hold:
+        # XLA removes it before it fuses.
+        return fence(combine(*partials(traced, shared, choice, dt, ds)))
 
     # Value and gradients (of the leaves ``dt``, ``ds`` mark) on the route; their own
     # derivatives are per-block Hessian-vector products (see :mod:`.second_order`).

@@ -30,7 +30,7 @@ from .forms import blocks_pool, hide_values, index_leaves
 from .hoist import Split, calls_fn, known_function, split_known, unknown_function
 from .second_order import kept, merge
 from .sets import over_blocks, unblock
-from .tasks import Partials, block_axis, host_device, pad_blocks, program_key, take_blocks
+from .tasks import Partials, block_axis, fence, host_device, pad_blocks, program_key, take_blocks
 
 __all__ = ["Program", "SiteSpec"]
 
@@ -320,16 +320,14 @@ class Program:
 
         def graph(prepared, prepared_tail, traced, shared):
             traced = tuple(pad_blocks(t, plan, block_axis(a), jnp) for t, a in zip(traced, axes_t))
-            # The barrier makes the inputs as opaque as they are to a host program: XLA may
-            # neither fold the data into fn's code nor fuse the caller's computation of a
-            # parameter (exp(log_sigma), say) into a block: either would change the rounding.
-            # Data and parameters apart: one barrier over both measured slower than two
-            # (negbin, float64).
-            # Data fn reads only as positions stays in view: the index pairs of a gather's
-            # batched transpose are then folded at compile time (.forms.index_leaves).
+            # The inputs as opaque as they are to a host program: a barrier keeps XLA from
+            # folding the data into fn's code, a fence (.tasks.fence) from fusing the
+            # caller's computation of a parameter (exp(log_sigma), say) into a block: either
+            # would change the rounding. Data fn reads only as positions stays in view: the
+            # index pairs of a gather's batched transpose are then folded at compile time.
             prepared, prepared_tail, valid = hide_values(self.positions, prepared, prepared_tail,
                                                          jnp.asarray(self.valid))
-            traced, shared = lax.optimization_barrier((traced, shared))
+            traced, shared = fence((traced, shared))
             if self.spec.form == "batched":
                 tail = None
                 if self.spec.tiles.tail:
@@ -342,7 +340,7 @@ class Program:
                 out = self.looped(prepared, traced, shared, valid, first, count, plan.n_blocks,
                                   diff_traced, diff_shared)
             # ...and on the way out: the caller's use of the partials is not fused into them.
-            out = lax.optimization_barrier(out)
+            out = fence(out)
             lead = 0 if set_axes is None else 1
             return out.values, out.shared_grads, tuple(unblock(g, plan.n_rows, lead)
                                                       for g in out.data_grads)

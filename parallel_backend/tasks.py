@@ -33,6 +33,7 @@ __all__ = [
     "Resident",
     "Task",
     "combine",
+    "fence",
     "host_device",
     "pad_blocks",
     "program_key",
@@ -76,10 +77,7 @@ class Partials(NamedTuple):
         per-row gradients do not need to."""
         if not on:
             return self
-        flag = (self.values == self.values).astype(jnp.int32)
-        grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
-        product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))
-        keep = product[..., 0, 0] >= 0
+        keep = _product_test(self.values)
 
         def pin(x):
             k = keep.reshape(keep.shape + (1,) * (jnp.ndim(x) - keep.ndim))
@@ -87,6 +85,34 @@ class Partials(NamedTuple):
 
         return Partials(pin(self.values), tuple(pin(g) for g in self.shared_grads),
                         self.data_grads)
+
+
+def _product_test(x):
+    """``True`` for each element of ``x``, from a small integer matrix product XLA cannot
+    fold or see through (the product's entries are never negative)."""
+    flag = (x == x).astype(jnp.int32)  # noqa: PLR0124 - data XLA cannot fold
+    grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
+    product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))
+    return product[..., 0, 0] >= 0
+
+
+def fence(tree):
+    """``tree`` as it is, through a conditional that XLA cannot remove (its predicate is
+    :func:`_product_test`'s, its other branch NaN): a fusion boundary. An optimization
+    barrier is expanded before XLA fuses, so the caller's arithmetic on a result (a
+    leapfrog step ``p + eps * g``) could fuse into the in-graph evaluation's last
+    operations and be rounded otherwise (contracted to an FMA or not) than after a host
+    callback, whose result XLA cannot see into; nor could a parameter's computation fuse
+    into the blocks. Through a fence both routes hand XLA the same opaque values."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return tree
+
+    def broken(t):
+        return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan)
+                            if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
+
+    return jax.lax.cond(_product_test(jnp.ravel(leaves[0])[0]), lambda t: t, broken, tree)
 
 
 def combine(values, shared_grads, data_grads):

@@ -11,7 +11,7 @@ import pytest
 
 import parallel_backend as pb
 from helpers import regression_data
-from parallel_backend.tasks import Partials
+from parallel_backend.tasks import Partials, fence
 
 
 def normal(rows, a, b, s):  # no ``where`` anywhere: nothing else keeps the loop apart
@@ -65,4 +65,51 @@ def test_pinning_changes_no_bit():
     x = jnp.asarray([1.5, -0.0, np.inf, np.nan, -3.25], jnp.float32)
     got = jax.vmap(lambda v: Partials(v, (v * 2,), (v,)).pinned())(x)
     for a, b in zip(jax.tree.leaves(got), [x, x * 2, x]):
+        assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def filtered(rows, a, b, s):  # a local-level filter per row: 12 steps of a scan
+    ys = jnp.stack([rows["y"] + k * 0.1 * rows["x"] for k in range(12)])
+    q, r = jnp.exp(a) * 0.1 + 0.01, s * s
+
+    def step(c, yt):
+        m, p, ll = c
+        p = p + q
+        e, v = yt - m - b, p + r
+        return (m + p / v * e, (1 - p / v) * p, ll - 0.5 * (jnp.log(v) + e * e / v)), None
+
+    n = rows["y"].shape[0]
+    return jax.lax.scan(step, (jnp.zeros(n), jnp.ones(n), jnp.zeros(n)), ys)[0][2]
+
+
+@pytest.mark.parametrize("fn", [running, filtered])
+@pytest.mark.parametrize("rows", [130, 400])
+def test_a_step_on_the_gradient_rounds_alike_on_every_route(fn, rows, assert_identical):
+    """The caller's arithmetic on a gradient (a descent's ``p + 1e-4 * g``, a leapfrog
+    step) is not fused into the in-graph evaluation: on jax 0.10 it was, and contracted
+    to an FMA after a host callback but not after the graph (one block, 130 or 400 rows:
+    the points parted at the third step). ``tasks.fence`` keeps both routes' results
+    opaque to XLA."""
+    data = regression_data(rows)
+    start = jnp.asarray([0.35, 0.15, 0.9], jnp.float32)
+
+    def descent(executor):
+        def grad(p):
+            return jax.grad(lambda p: pb.reduce_sum(fn, data, p[0], p[1], p[2],
+                                                    executor=executor))(p)
+
+        return np.asarray(jax.jit(lambda p: jax.lax.fori_loop(
+            0, 16, lambda i, p: p + 1e-4 * grad(p), p))(start))
+
+    with pb.SerialExecutor() as graph:
+        want = descent(graph)
+    for workers in (2, 3):
+        with pb.ThreadExecutor(workers, dispatch="host") as host:
+            assert_identical(descent(host), want)
+
+
+def test_a_fence_changes_no_bit():
+    x = jnp.asarray([1.5, -0.0, np.inf, np.nan, -3.25], jnp.float32)
+    got = jax.jit(lambda t: fence(t))((x, jnp.arange(3), x[::-1]))
+    for a, b in zip(got, (x, jnp.arange(3), x[::-1])):
         assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
