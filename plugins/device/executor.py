@@ -37,6 +37,7 @@ from parallel_backend.extend import (
     block_axis,
     chunks_within,
     even_slots,
+    fence,
     is_tracer,
     pad_blocks,
     run_eagerly,
@@ -268,10 +269,10 @@ class DeviceExecutor(Executor):
         lead = 0 if set_axes is None else 1
 
         def run(prepared, traced, shared, valid):
-            # The same barrier as the serial graph path: XLA may neither specialise fn on
-            # the data nor fuse the caller's parameter computations into a block.
-            prepared, traced, shared, valid = lax.optimization_barrier(
-                (prepared, traced, shared, valid))
+            # As on the serial graph path: a barrier keeps XLA from specialising fn on the
+            # data, a fence from fusing the caller's parameter computations into a block.
+            prepared, valid = lax.optimization_barrier((prepared, valid))
+            traced, shared = fence((traced, shared))
             if state.spec.form == "batched":
                 traced = tuple(jnp.moveaxis(t, 0, block_axis(a)) for t, a in zip(traced, axes_t))
                 # SPMD: the same program on every device, so every block is masked.
@@ -284,7 +285,7 @@ class DeviceExecutor(Executor):
                 first, count = lax.optimization_barrier((jnp.int32(0), count.astype(jnp.int32)))
                 out = program.looped(prepared, traced, shared, valid, first, count,
                                      layout.per_device, diff_traced, diff_shared)
-            return lax.optimization_barrier(out)
+            return fence(out)
 
         spec = PartitionSpec(AXIS)
         # jit: called eagerly, the map is still one compiled program.
