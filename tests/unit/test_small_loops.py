@@ -113,3 +113,7 @@ def test_a_fence_changes_no_bit():
     got = jax.jit(lambda t: fence(t))((x, jnp.arange(3), x[::-1]))
     for a, b in zip(got, (x, jnp.arange(3), x[::-1])):
         assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    # Leaves without elements pass, first or not; nothing to fence passes as it is.
+    empty = (jnp.zeros((0,)), x)
+    assert jax.tree.map(np.shape, jax.jit(fence)(empty)) == ((0,), (5,))
+    assert fence(()) == ()
