@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 from .blocks import tree_sum, xla_threads
 from .errors import ChunkError
@@ -65,16 +66,12 @@ class Partials(NamedTuple):
     data_grads: tuple
 
     def pinned(self, on: bool = True) -> Partials:
-        """These partials, bit for bit, computed beside a small integer matrix product
-        (``on``; otherwise as they are).
-
+        """These partials, bit for bit, beside a small integer matrix product (``on``).
         XLA:CPU compiles a ``while`` loop that reads little memory and holds no matrix
-        product as one kernel (its ``SmallWhileLoopHoistingPass``), and a block inside
-        such a loop (NUTS on small data, a ``scan``) rounded unlike the same block in a
-        chunk program of the host route, which is compiled op by op. A product in every
-        block (whose result selects nothing: it is never negative) keeps any loop around
-        one out of that path, on every route. The values and shared gradients carry it;
-        per-row gradients do not need to."""
+        product as one kernel (``SmallWhileLoopHoistingPass``); a block in such a loop
+        of the caller's (NUTS on small data, a ``scan``) rounded unlike the same block in
+        a host chunk program. The product (it selects nothing: never negative) keeps any
+        loop around a block out of that path, on every route."""
         if not on:
             return self
         keep = _product_test(self.values)
@@ -88,24 +85,22 @@ class Partials(NamedTuple):
 
 
 def _product_test(x):
-    """``True`` for each element of ``x``, from a small integer matrix product XLA cannot
-    fold or see through (the product's entries are never negative)."""
+    """``True`` for each element of ``x``, from a small integer product XLA cannot fold."""
     flag = (x == x).astype(jnp.int32)  # noqa: PLR0124 - data XLA cannot fold
     grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
     product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))
     return product[..., 0, 0] >= 0
 
 
+@custom_vmap
 def fence(tree):
-    """``tree`` as it is, through a conditional that XLA cannot remove (its predicate is
-    :func:`_product_test`'s, its other branch NaN): a fusion boundary. An optimization
-    barrier is expanded before XLA fuses, so the caller's arithmetic on a result (a
-    leapfrog step ``p + eps * g``) could fuse into the in-graph evaluation's last
-    operations and be rounded otherwise (contracted to an FMA or not) than after a host
-    callback, whose result XLA cannot see into; nor could a parameter's computation fuse
-    into the blocks. Through a fence both routes hand XLA the same opaque values."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.size(x)]
-    if not leaves:
+    """``tree`` as it is, through a conditional XLA cannot remove (predicate
+    :func:`_product_test`, other branch NaN): a fusion boundary. XLA expands an
+    optimization barrier before it fuses, so the caller's arithmetic on a result (a
+    leapfrog step ``p + eps * g``) could fuse into the in-graph evaluation and round
+    otherwise (an FMA or not) than after a host callback. Under ``vmap`` it stays one
+    conditional over the batch (mapped, a conditional becomes a ``select``)."""
+    if not (leaves := [x for x in jax.tree.leaves(tree) if jnp.size(x)]):
         return tree
 
     def broken(t):
@@ -113,6 +108,11 @@ def fence(tree):
                             if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
 
     return jax.lax.cond(_product_test(jnp.ravel(leaves[0])[0]), lambda t: t, broken, tree)
+
+
+@fence.def_vmap
+def _fence_batch(axis_size, in_batched, tree):
+    return fence(tree), in_batched[0]
 
 
 def combine(values, shared_grads, data_grads):

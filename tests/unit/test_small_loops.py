@@ -117,3 +117,32 @@ def test_a_fence_changes_no_bit():
     empty = (jnp.zeros((0,)), x)
     assert jax.tree.map(np.shape, jax.jit(fence)(empty)) == ((0,), (5,))
     assert fence(()) == ()
+
+
+@pytest.mark.parametrize("fn", [running, filtered])
+def test_vectorized_chains_step_alike_on_every_route(fn, assert_identical):
+    """As above with the sets mapped (NumPyro's vectorized chains): a fence under
+    ``vmap`` stays a conditional over the batch; mapped as a ``select`` it let XLA fuse
+    the step into the in-graph evaluation (jax 0.10 and 0.12, from the second step)."""
+    data = regression_data(130)
+    starts = jnp.asarray([[0.35, 0.15, 0.9], [0.2, 0.4, 1.1], [0.5, 0.1, 0.7],
+                          [0.3, 0.3, 1.3]], jnp.float32)
+
+    def steps(executor):
+        def grad(p):
+            return jax.grad(lambda p: pb.reduce_sum(fn, data, p[0], p[1], p[2],
+                                                    executor=executor))(p)
+
+        def walk(p):
+            return jax.lax.scan(lambda p, _: (p + 1e-4 * grad(p), grad(p)), p, None,
+                                length=4)[1]
+
+        return np.asarray(jax.jit(jax.vmap(walk))(starts))
+
+    with pb.SerialExecutor() as graph:
+        want = steps(graph)
+    with pb.ThreadExecutor(2, dispatch="host") as host:
+        assert_identical(steps(host), want)
+    x = jnp.asarray([[1.5, -0.0], [np.inf, np.nan]], jnp.float32)
+    assert np.array_equal(np.asarray(jax.vmap(fence)(x)).view(np.uint32),
+                          np.asarray(x).view(np.uint32))
