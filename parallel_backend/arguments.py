@@ -69,25 +69,31 @@ def block_struct(leaves, rows):
 
 
 def shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
-    """``fn``'s output shape and dtype on a block of ``rows`` rows (nothing computed)."""
-    return jax.eval_shape(
+    """``fn`` traced on a block of ``rows`` rows (nothing computed): its jaxpr and its
+    output's shape and dtype. Shared leaves enter with their dtype, never weakly typed
+    (a Python float one trace, an array the next), as the site's blocks see them."""
+    shared = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in shared_leaves]
+    return jax.make_jaxpr(
         lambda d, s: fn(jax.tree_util.tree_unflatten(data_treedef, d),
-                        *jax.tree_util.tree_unflatten(shared_treedef, s)),
-        block_struct(leaves, rows), list(shared_leaves))
+                        *jax.tree_util.tree_unflatten(shared_treedef, s)), return_shape=True,
+    )(block_struct(leaves, rows), shared)
 
 
 def output_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows):
     try:
-        return shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows).dtype
+        return shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves,
+                              rows)[1].dtype
     except Exception:  # noqa: BLE001 - fn may not handle 0 rows; fall back to the default float
         return jnp.result_type(float)
 
 
 def check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows, plan, paths):
-    """Trace ``fn`` on a block's shapes: errors surface here, in the caller, before sampling."""
+    """Trace ``fn`` on a block's shapes: errors surface here, in the caller, before sampling.
+    Returns the output's dtype and the trace (a ``ClosedJaxpr``)."""
     start = 0 if rows == plan.block_rows and plan.n_full else plan.n_full * plan.block_rows
     try:
-        out = shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows)
+        closed, out = shape_on_block(fn, data_treedef, leaves, shared_treedef, shared_leaves,
+                                     rows)
     except Exception as e:
         e.add_note(f"reduce_sum: raised by fn on a chunk of rows [{start}, {start + rows}) "
                    f"of data with leaves {', '.join(paths)}")
@@ -105,4 +111,4 @@ def check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves, rows, 
                          f"(one log-density per row), got shape {out.shape}")
     if not jnp.issubdtype(out.dtype, jnp.inexact):
         raise TypeError(f"reduce_sum: fn must return floating-point log-densities, got {out.dtype}")
-    return out.dtype
+    return out.dtype, closed

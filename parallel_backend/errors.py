@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["ChunkError", "check_count"]
+__all__ = ["ChunkError", "TracedElsewhere", "check_count"]
 
 
 def check_count(value, name: str, where: str, *, least: int = 1, none_ok: bool = False,
@@ -76,3 +76,15 @@ class ChunkError(RuntimeError):
         if isinstance(exc, ChunkError):
             return cls(exc.exc_type, exc.message, exc.rows, exc.fn_name, executor)
         return cls(type(exc).__name__, str(exc), rows, fn_name, executor)
+
+
+class TracedElsewhere(RuntimeError):
+    """A process traced a site's ``fn`` (for its block programs: a dask worker, or this
+    process later) and it computes something else than where the site was made."""
+
+    def __init__(self, label: str):
+        super().__init__(
+            f"reduce_sum: {label} computes here something else than where its model was "
+            "traced: it reads state that differs between the two (a module's attribute "
+            "changed after import, a file edited since, another JAX version). Pass such "
+            "values to reduce_sum as arguments.")

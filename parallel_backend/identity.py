@@ -5,9 +5,11 @@ and a model that builds its data itself (``y[:, None]``, ``x.astype(...)``) hand
 ``reduce_sum`` a new array object each time. A site keyed by the array's ``id()`` was
 prepared again at every trace, and forgotten when that temporary died. Here a site's
 key is made of its function (code, what it closes over and the global arrays it
-reads), the structure, shapes and dtypes of its arguments, the block plan, the
-precision and a digest of the *content* of its resident data, so every trace of the
-same model finds the same site.
+reads), what the function computes (:func:`computes`: its jaxpr on the call's blocks,
+with its constants by content), the structure, shapes and dtypes of its arguments, the
+block plan, the precision and a digest of the *content* of its resident data, so every
+trace of the same model finds the same site, and a trace that computes anything else
+(a helper redefined, a module's or a class's attribute changed) finds another.
 
 A key is true only while what it describes cannot change. A JAX array cannot, so its
 digest is remembered while it lives (a weak reference guards against a reused ``id``).
@@ -35,7 +37,9 @@ import weakref
 import jax
 import numpy as np
 
-__all__ = ["digest", "frozen", "function_key", "site_key", "snapshot"]
+from .internals import ClosedJaxpr, Jaxpr, Literal
+
+__all__ = ["computes", "digest", "frozen", "function_key", "owned", "site_key", "snapshot"]
 
 #: How deep :func:`function_key` and :func:`frozen` follow functions, containers and
 #: callable objects (a cycle ends here too).
@@ -91,6 +95,31 @@ def digest(x) -> str:
     return out
 
 
+def computes(closed) -> str:
+    """A digest of what a traced function computes: its jaxpr as JAX prints it (every
+    equation, parameter and scalar constant, nested jaxprs too) and the content of its
+    array constants. Whatever ``fn`` reads (a module's attribute, another module's
+    helper, an object without a ``__dict__``) shows in it, where a key made of ``fn``
+    itself can miss it. Two digests agree only where the traces compute alike."""
+    h = hashlib.sha256(str(closed.jaxpr).encode())
+    todo = [(closed.consts, closed.jaxpr)]
+    while todo:
+        consts, jaxpr = todo.pop()
+        for c in consts:
+            h.update(digest(c).encode())
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, Literal) and np.ndim(v.val):
+                    h.update(digest(v.val).encode())
+            for p in eqn.params.values():
+                for x in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(x, ClosedJaxpr):
+                        todo.append((x.consts, x.jaxpr))
+                    elif isinstance(x, Jaxpr):
+                        todo.append(((), x))
+    return h.hexdigest()
+
+
 def _drop(key, ref) -> None:
     with _lock:
         hit = _memo.get(key)
@@ -102,6 +131,16 @@ def snapshot(x):
     """``x``, or a copy of it where it can change in place (a NumPy array): what a site
     keeps of the user's data."""
     return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+
+
+def owned(a: np.ndarray) -> np.ndarray:
+    """``a``, copied if it is a view of memory numpy does not own (a JAX array's
+    buffer): a view would keep the user's array alive as long as the site, and the
+    site is forgotten only when that array dies."""
+    base = a
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return a if isinstance(base, np.ndarray) else a.copy()
 
 
 class Same:
@@ -129,21 +168,7 @@ def function_key(fn, _depth: int = 0):
     its code, the keys of what it closes over (arrays by content, functions and callable
     objects recursively, containers item by item, scalars and strings by value, objects
     by their attributes, anything else by identity) and of the globals its code names
-    (see :func:`_globals_key`): a helper redefined between two fits is another key."""
-    if getattr(_keying, "seen", None) is not None:
-        return _function_key(fn, _depth)
-    _keying.seen = {}  # functions of one module met on the way: each keyed once
-    try:
-        return _function_key(fn, _depth)
-    finally:
-        _keying.seen = None
-
-
-#: Per thread, while :func:`function_key` runs: the module-level functions keyed so far.
-_keying = threading.local()
-
-
-def _function_key(fn, _depth: int):
+    (see :func:`_globals_key`). What it computes is keyed apart (:func:`computes`)."""
     if _depth > MAX_DEPTH:
         return ("deep", Same(fn))
     if isinstance(fn, functools.partial):
@@ -171,62 +196,27 @@ def _function_key(fn, _depth: int):
 
 
 def _globals_key(fn, depth: int) -> tuple:
-    """``(name, key)`` of the globals ``fn``'s code (and the code nested in it) names, as
-    plain NumPyro reads them again at every trace: arrays by a digest, functions of
-    ``fn``'s own module by :func:`function_key` (a helper redefined in a notebook),
-    other functions and callables by identity, classes by identity and their data
-    attributes, objects by their attributes (see :func:`_attributes`); modules and
-    builtins are left out."""
+    """``(name, key)`` of the globals ``fn``'s code (and the code nested in it) names:
+    arrays by a digest, values and objects by content (see :func:`_attributes`),
+    functions, classes and other callables by identity; modules and builtins are left
+    out. A helper or a class attribute changed between two fits, or a module's
+    attribute, changes what ``fn`` computes, and :func:`computes` sees that."""
     found = getattr(fn, "__globals__", None) or {}
     out = []
     for name in sorted(_names(fn.__code__)):
         v = found.get(name)
-        if v is None or isinstance(v, types.ModuleType):
+        if v is None or isinstance(v, (types.ModuleType, types.BuiltinFunctionType)):
             continue
         if _is_array(v):
             try:
                 out.append((name, digest(v)))
             except Exception:  # noqa: BLE001 - an array without host bytes: by identity
                 out.append((name, Same(v)))
-        elif isinstance(v, type):
-            out.append((name, _class_key(v)))
-        elif isinstance(v, types.FunctionType) and v.__globals__ is found:
-            out.append((name, _module_function_key(v, depth)))
         elif callable(v):
-            if not isinstance(v, types.BuiltinFunctionType):
-                out.append((name, Same(v)))
+            out.append((name, Same(v)))
         else:  # a value, a container, an object
             out.append((name, _value_key(v, depth + 1)))
     return tuple(out)
-
-
-def _module_function_key(fn, depth: int):
-    """:func:`function_key` of a function of the same module, once per key (a helper
-    that calls itself, or two that call each other, end in a marker, not a loop)."""
-    seen = _keying.seen
-    if fn in seen:
-        return seen[fn] or ("cycle", fn.__qualname__)
-    seen[fn] = None
-    key = seen[fn] = _function_key(fn, depth + 1)
-    return key
-
-
-def _class_key(cls):
-    """A class by identity and its own data attributes (``Scale.k = 2.0`` is another
-    key); methods and descriptors are its code, which identity covers."""
-    data = tuple((k, _value_key(x, MAX_DEPTH - 1)) for k, x in vars(cls).items()
-                 if not k.startswith("__") and _is_data(x))
-    return ("class", Same(cls), data)
-
-
-def _is_data(v, depth: int = 0) -> bool:
-    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)) or _is_array(v):
-        return True
-    if depth < 2 and isinstance(v, (tuple, list)):
-        return all(_is_data(x, depth + 1) for x in v)
-    if depth < 2 and isinstance(v, dict):
-        return all(_is_data(x, depth + 1) for x in v.values())
-    return False
 
 
 def _names(code, depth: int = 0) -> set:
@@ -270,7 +260,7 @@ def _value_key(v, depth: int):
                               for k, x in v.items()))
     attrs = _attributes(v)
     if attrs is not None:
-        return ("object", _class_key(type(v)),
+        return ("object", Same(type(v)),
                 tuple((k, _value_key(x, depth + 1)) for k, x in attrs.items()))
     return ("same", Same(v))
 
@@ -390,8 +380,9 @@ def _same(new, old) -> bool:
 
 
 def site_key(fn, data_treedef, shared_treedef, plan, x64: bool, resident, leaf_avals,
-             shared_avals) -> tuple:
+             shared_avals, traces=()) -> tuple:
     """The key of a ``reduce_sum`` call site (see the module docstring); ``resident`` are
-    the concrete data leaves, whose content is part of the key."""
-    return (function_key(fn), data_treedef, shared_treedef, plan, bool(x64),
+    the concrete data leaves, whose content is part of the key; ``traces`` are the
+    :func:`computes` digests of ``fn`` traced on the call's blocks."""
+    return (function_key(fn), tuple(traces), data_treedef, shared_treedef, plan, bool(x64),
             tuple(digest(x) for x in resident), tuple(leaf_avals), tuple(shared_avals))

@@ -36,7 +36,7 @@ from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import detect_form, row_reduce_cap, scan_reduce_per_row
 from .hoist import conditions, constant_conditions
-from .identity import site_key, snapshot
+from .identity import computes, site_key, snapshot
 from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
 from .site import SiteState, run_eagerly
@@ -118,10 +118,11 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     plan = plan_blocks(n_rows, block_rows, row_bytes=row_bytes(leaves))
     if n_rows == 0:
         return jnp.zeros((), output_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
-    value_dtype = None
+    value_dtype, traces = None, []
     for rows in sorted({plan.block_rows if plan.n_full else 0, plan.tail_rows} - {0}):
-        value_dtype = check_output(fn, data_treedef, leaves, shared_treedef, shared_leaves,
-                                   rows, plan, paths)
+        value_dtype, closed = check_output(fn, data_treedef, leaves, shared_treedef,
+                                           shared_leaves, rows, plan, paths)
+        traces.append(computes(closed))
 
     executor = resolve_executor(executor)
     traced_mask = tuple(_is_traced(x) for x in leaves)
@@ -131,7 +132,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     resident = [snapshot(x) for x, t in zip(leaves, traced_mask) if not t]
     key = site_key(fn, data_treedef, shared_treedef, plan, x64, resident,
                    [(jnp.shape(x), str(jnp.result_type(x)), t) for x, t in zip(leaves, traced_mask)],
-                   [(jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves])
+                   [(jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves], traces)
 
     def make():
         spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
@@ -185,16 +186,18 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
     spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
     if resident is None:
         resident = [x for x, t in zip(leaves, traced) if not t]
-    return spec._replace(constants=_constants(spec, resident))
+    structs = spec.block_struct()
+    with jax.enable_x64(x64):  # fn on one block of the spec's plan, as every process traces it
+        closed = jax.make_jaxpr(spec.block_fn())(*structs)
+    return spec._replace(constants=_constants(spec, resident, closed), computes=computes(closed))
 
 
-def _constants(spec: SiteSpec, resident) -> tuple:
+def _constants(spec: SiteSpec, resident, closed) -> tuple:
     """The conditions on the data that hold everywhere or nowhere in it, read as constants
-    on every route (:func:`.hoist.constant_conditions`), from ``fn`` traced on one block
-    of ``spec``'s plan, as every process traces it."""
+    on every route (:func:`.hoist.constant_conditions`), from ``closed``, ``fn`` traced on
+    one block of ``spec``'s plan."""
     structs = spec.block_struct()
     with jax.enable_x64(spec.x64), jax.default_device(host_device()):
-        closed = jax.make_jaxpr(spec.block_fn())(*structs)
         found = conditions(closed, len(structs[0]))
         if not found:  # the data are padded into blocks only where there is a condition
             return ()

@@ -26,8 +26,10 @@ import numpy as np
 from jax import lax
 
 from .blocks import BlockPlan, TilePlan
+from .errors import TracedElsewhere
 from .forms import blocks_pool, hide_values, index_leaves
 from .hoist import Split, calls_fn, known_function, split_known, unknown_function
+from .identity import computes, owned
 from .second_order import kept, merge
 from .sets import over_blocks, unblock
 from .tasks import Partials, block_axis, fence, host_device, pad_blocks, program_key, take_blocks
@@ -64,6 +66,9 @@ class SiteSpec(NamedTuple):
         ``fn``'s name, for messages.
     constants : tuple
         Conditions on the data read as constants (:func:`.hoist.constant_conditions`).
+    computes : str
+        What ``fn`` computes on a block where the site was made
+        (:func:`.identity.computes`); every process that traces the spec checks it.
     """
 
     fn: Any
@@ -79,6 +84,7 @@ class SiteSpec(NamedTuple):
     x64: bool
     label: str
     constants: tuple = ()
+    computes: str = ""
 
     @property
     def n_traced(self) -> int:
@@ -116,16 +122,6 @@ class SiteSpec(NamedTuple):
         return p.block_range(first_block)[0], p.block_range(first_block + count - 1)[1]
 
 
-def _owned(a: np.ndarray) -> np.ndarray:
-    """``a``, copied if it is a view of memory numpy does not own (a JAX array's
-    buffer): a view would keep the user's array alive as long as the site, and the
-    site is forgotten only when that array dies."""
-    base = a
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return a if isinstance(base, np.ndarray) else a.copy()
-
-
 class Program:
     """What a :class:`SiteSpec` computes, traced in this process.
 
@@ -138,6 +134,8 @@ class Program:
         resident, traced, shared = spec.block_struct()
         with jax.enable_x64(spec.x64):
             closed = jax.make_jaxpr(spec.block_fn())(resident, traced, shared)
+        if spec.computes and computes(closed) != spec.computes:
+            raise TracedElsewhere(spec.label)
         self.split: Split = split_known(closed, len(resident), len(traced), spec.constants)
         #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
         self.blocks_pool = blocks_pool(closed)
@@ -172,7 +170,7 @@ class Program:
         first the resident leaves ``fn`` reads directly, then the hoisted residuals."""
         plan = self.spec.plan
         with jax.enable_x64(self.spec.x64), jax.default_device(host_device()):
-            blocks = [_owned(pad_blocks(np.asarray(x), plan)) for x in resident_leaves]
+            blocks = [owned(pad_blocks(np.asarray(x), plan)) for x in resident_leaves]
             raw = tuple(blocks[k] for k in self.split.raw)
             if not self.split.residuals:
                 return raw

@@ -230,14 +230,6 @@ def test_a_helper_redefined_between_fits_is_another_site(assert_close):
     assert not np.isclose(float(second[0]), float(first[0]), rtol=0.1)
 
 
-class Spread:
-    k = 1.0
-
-
-def spread_loglik(rows, mu):
-    return -0.5 * jnp.sum((rows - Spread.k * mu) ** 2, axis=1)
-
-
 def recursive(n):
     return 1.0 if n == 0 else recursive(n - 1) + ping(n - 1)
 
@@ -246,16 +238,9 @@ def ping(n):
     return 0.0 if n == 0 else recursive(n - 1)
 
 
-def test_class_attributes_and_helpers_that_call_each_other_are_keyed():
-    before = identity.function_key(spread_loglik)
-    assert identity.function_key(spread_loglik) == before
-    try:
-        Spread.k = 2.0
-        assert identity.function_key(spread_loglik) != before
-    finally:
-        Spread.k = 1.0
-    assert identity.function_key(spread_loglik) == before
-    # Helpers that call themselves and each other: a finite key, the same each time.
+def test_helpers_that_call_each_other_have_a_key():
+    """A finite key, the same each time (class attributes and helpers changed between
+    fits: test_traced_state.py)."""
     assert identity.function_key(recursive) == identity.function_key(recursive)
 
 

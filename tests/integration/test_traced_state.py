@@ -1,0 +1,160 @@
+"""What ``fn`` reads besides its arguments, and what a site therefore computes.
+
+A likelihood may read a module's attribute (``settings.SCALE``), call a helper of
+another module that reads that module's globals, or read a class attribute. Plain
+NumPyro traces the model again for every fit and reads the new values; a site is found
+again by its key, and its key holds what ``fn`` computes on the call's blocks
+(:func:`parallel_backend.identity.computes`), so a change between two fits makes
+another site. A process that traces the site again later (a dask worker that imports
+the module from its file, this process at the first host evaluation) and finds that
+``fn`` computes something else there says so instead of returning its number.
+Each check compares with plain JAX (``jnp.sum(fn(x, mu))`` and its gradient).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import uuid
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import parallel_backend as pb
+
+# dask workers cannot import this module by name: its functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N, K, BLOCK_ROWS = 5_003, 3, 1000
+RTOL = 2e-5
+
+#: A module whose attribute the likelihood reads (``settings.SCALE``): made here, it
+#: is not importable, and cloudpickle sends it to dask workers as it is.
+SETTINGS = types.ModuleType("pb_test_settings")
+SETTINGS.SCALE = 1.0
+
+#: Another module, with a helper that reads its own global ``K``.
+HELPERS = types.ModuleType("pb_test_helpers")
+exec("import jax.numpy as jnp\nK = 1.0\n"  # noqa: S102 - a module's source
+     "def loglik(rows, mu):\n    return -0.5 * K * jnp.sum((rows - mu) ** 2, axis=1)\n",
+     HELPERS.__dict__)
+
+
+class Spread:
+    k = 1.0
+
+
+def attribute_loglik(rows, mu):
+    return -0.5 * SETTINGS.SCALE * jnp.sum((rows - mu) ** 2, axis=1)
+
+
+def helper_loglik(rows, mu):
+    return HELPERS.loglik(rows, mu)
+
+
+def class_loglik(rows, mu):
+    return -0.5 * jnp.sum((rows - Spread.k * mu) ** 2, axis=1)
+
+
+CASES = {
+    "module attribute": (attribute_loglik, lambda v: setattr(SETTINGS, "SCALE", v)),
+    "helper of another module": (helper_loglik, lambda v: setattr(HELPERS, "K", v)),
+    "class attribute": (class_loglik, lambda v: setattr(Spread, "k", v)),
+}
+
+
+def rows(seed=0):
+    return np.random.default_rng(seed).normal(size=(N, K)).astype(np.float32)
+
+
+def fresh(fn, executor, x):
+    """A new function to trace (JAX's own jit cache does not answer for it)."""
+    return jax.jit(jax.value_and_grad(
+        lambda mu: pb.reduce_sum(fn, x, mu, executor=executor, block_rows=BLOCK_ROWS)))
+
+
+def plain(fn, x):
+    return jax.jit(jax.value_and_grad(lambda mu: jnp.sum(fn(x, mu))))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with helpers.local_client() as c:
+        yield c
+
+
+@pytest.fixture(params=["serial", "thread2-host", pytest.param("dask-host", marks=pytest.mark.dask)])
+def executor(request):
+    if request.param == "dask-host":
+        ex = pb.DaskExecutor(client=request.getfixturevalue("client"), dispatch="host")
+    elif request.param == "serial":
+        ex = pb.SerialExecutor()
+    else:
+        ex = pb.ThreadExecutor(2, dispatch="host")
+    with ex:
+        yield ex
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_fn_reads_changed_between_fits(case, executor, assert_close, assert_identical):
+    fn, set_value = CASES[case]
+    x = rows()
+    try:
+        set_value(1.0)
+        first = fresh(fn, executor, x)(0.3)
+        assert_close(first, plain(fn, x)(0.3), RTOL)
+        set_value(3.0)
+        second = fresh(fn, executor, x)(0.3)
+        assert_close(second, plain(fn, x)(0.3), RTOL)
+        assert len(executor.sites()) == 2
+        set_value(1.0)  # as at first: the first site again
+        assert_identical(fresh(fn, executor, x)(0.3), first)
+        assert len(executor.sites()) == 2
+    finally:
+        set_value(1.0)
+    assert not np.isclose(float(second[0]), float(first[0]), rtol=0.1)
+
+
+def test_a_site_traced_again_after_a_change_says_so():
+    """Traced, then the attribute changes before the first host evaluation: the host
+    route traces ``fn`` again for its block programs and finds another computation."""
+    x = rows()
+    try:
+        with pb.ThreadExecutor(2, dispatch="host") as ex:
+            compiled = fresh(attribute_loglik, ex, x).lower(0.3).compile()
+            SETTINGS.SCALE = 3.0
+            with pytest.raises(Exception, match="computes here something else"):
+                jax.block_until_ready(compiled(0.3))
+    finally:
+        SETTINGS.SCALE = 1.0
+
+
+def module_on_disk(tmp_path, monkeypatch, source: str):
+    """A module written to a file that this process and dask worker processes (started
+    afterwards, with this ``sys.path``) import."""
+    name = f"pb_test_state_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return __import__(name)
+
+
+@pytest.mark.dask
+def test_a_worker_that_computes_something_else_says_so(tmp_path, monkeypatch, assert_close):
+    """``fn`` of an importable module travels to the workers by name, and they import
+    the module from its file; its attribute changed here is not changed there."""
+    mod = module_on_disk(tmp_path, monkeypatch, "import jax.numpy as jnp\nK = 1.0\n"
+                         "def loglik(rows, mu):\n"
+                         "    return -0.5 * K * jnp.sum((rows - mu) ** 2, axis=1)\n")
+    x = rows()
+    with pb.DaskExecutor(n_workers=1, dispatch="host") as ex:
+        mod.K = 3.0  # here only
+        with pytest.raises(Exception, match="computes here something else"):
+            fresh(mod.loglik, ex, x)(0.3)
+        mod.K = 1.0  # as in the file: the same cluster computes it
+        assert_close(fresh(mod.loglik, ex, x)(0.3), plain(mod.loglik, x)(0.3), RTOL)
