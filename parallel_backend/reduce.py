@@ -145,7 +145,14 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
     blocked = functools.partial(blocked_sum, state.spec, resident)
-    return _reduce(state, executor, grainsize, route, blocked)(traced, tuple(shared_leaves), choice)
+    call = _reduce(state, executor, grainsize, route, blocked)
+    if route == "host" and not traced and not any(map(_is_traced, shared_leaves)):
+        # Called eagerly (NumPyro's initialisation runs the model so): one program, done
+        # before this returns. Op by op, the ops after the callback queued behind it on
+        # XLA's device and took every slot of its in-flight limit, and the chunk programs
+        # the callback waits for, launched from the executor's threads, waited for a slot.
+        return jax.block_until_ready(jax.jit(call)(traced, tuple(shared_leaves), choice))
+    return call(traced, tuple(shared_leaves), choice)
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
@@ -186,9 +193,9 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
     spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
     if resident is None:
         resident = [x for x, t in zip(leaves, traced) if not t]
-    structs = spec.block_struct()
-    with jax.enable_x64(x64):  # fn on one block of the spec's plan, as every process traces it
-        closed = jax.make_jaxpr(spec.block_fn())(*structs)
+    # fn on one block of the spec's plan, as every process traces it
+    with jax.enable_x64(x64), jax.default_device(host_device()):
+        closed = jax.make_jaxpr(spec.block_fn())(*spec.block_struct())
     return spec._replace(constants=_constants(spec, resident, closed), computes=computes(closed))
 
 
