@@ -84,6 +84,17 @@ def _no_leaked_global_state():
 
 # -- executors -------------------------------------------------------------------------
 
+
+@pytest.fixture(scope="module")
+def client():
+    """A client of a real dask ``LocalCluster`` of two worker processes, one per test
+    module (``helpers.local_client``; skips where distributed is not installed)."""
+    import helpers
+
+    with helpers.local_client() as c:
+        yield c
+
+
 #: Every executor configuration the tests use, by id. "host" runs chunks through the
 #: host callback on the executor's workers; the default SerialExecutor keeps the block
 #: loop in the XLA graph (the reference); the default ThreadExecutor measures ("auto").

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -56,6 +57,18 @@ def plain_regression_model(data):
     """The same model in plain NumPyro (an observed ``"y"`` site)."""
     alpha, beta, sigma = regression_priors()
     numpyro.sample("y", dist.Normal(alpha + beta * data["x"], sigma), obs=data["y"])
+
+
+def split_value_and_grad(fn, executor, x, block_rows: int):
+    """A new jitted value and gradient in ``mu`` of ``pb.reduce_sum(fn, x, mu)``: a new
+    function, so JAX's own jit cache (keyed by the function object) does not answer."""
+    return jax.jit(jax.value_and_grad(
+        lambda mu: pb.reduce_sum(fn, x, mu, executor=executor, block_rows=block_rows)))
+
+
+def plain_value_and_grad(fn, x):
+    """Plain JAX's value and gradient in ``mu`` of ``jnp.sum(fn(x, mu))``."""
+    return jax.jit(jax.value_and_grad(lambda mu: jnp.sum(fn(x, mu))))
 
 
 def pytest_on_forced_devices(path, select: str, flag: str, devices: int = 2, *extra: str):

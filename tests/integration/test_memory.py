@@ -233,12 +233,6 @@ def test_device_buffers_on_two_forced_devices():
 # -- dask workers ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client():
-    with helpers.local_client() as c:
-        yield c
-
-
 def residents(dask_worker=None) -> dict:
     """Every prepared-data holder alive in a worker process (garbage collected first):
     what it holds is freed, not just forgotten."""

@@ -86,23 +86,13 @@ def change(x, seed):
 
 
 def fresh(fn, executor, x):
-    """A new function to trace (JAX's own jit cache, keyed by the function object, then
-    does not answer for it): value and gradient in mu of the split sum."""
-    return jax.jit(jax.value_and_grad(
-        lambda mu: pb.reduce_sum(fn, x, mu, executor=executor, block_rows=BLOCK_ROWS)))
+    return helpers.split_value_and_grad(fn, executor, x, BLOCK_ROWS)
 
 
-def plain(fn, x):
-    return jax.jit(jax.value_and_grad(lambda mu: jnp.sum(fn(x, mu))))
+plain = helpers.plain_value_and_grad
 
 
 # -- executors ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def client():
-    with helpers.local_client() as c:
-        yield c
 
 
 #: Set in the subprocess of :func:`test_device_executor_on_two_forced_devices`.

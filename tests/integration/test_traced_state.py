@@ -72,19 +72,10 @@ def rows(seed=0):
 
 
 def fresh(fn, executor, x):
-    """A new function to trace (JAX's own jit cache does not answer for it)."""
-    return jax.jit(jax.value_and_grad(
-        lambda mu: pb.reduce_sum(fn, x, mu, executor=executor, block_rows=BLOCK_ROWS)))
+    return helpers.split_value_and_grad(fn, executor, x, BLOCK_ROWS)
 
 
-def plain(fn, x):
-    return jax.jit(jax.value_and_grad(lambda mu: jnp.sum(fn(x, mu))))
-
-
-@pytest.fixture(scope="module")
-def client():
-    with helpers.local_client() as c:
-        yield c
+plain = helpers.plain_value_and_grad
 
 
 @pytest.fixture(params=["serial", "thread2-host", pytest.param("dask-host", marks=pytest.mark.dask)])
