@@ -5,8 +5,8 @@ and a model that builds its data itself (``y[:, None]``, ``x.astype(...)``) hand
 ``reduce_sum`` a new array object each time. A site keyed by the array's ``id()`` was
 prepared again at every trace, and forgotten when that temporary died. Here a site's
 key is made of its function (code, what it closes over and the global arrays it
-reads), what the function computes (:func:`computes`: its jaxpr on the call's blocks,
-with its constants by content), the structure, shapes and dtypes of its arguments, the
+reads), what the function computes (:func:`.traced.computes`: its jaxpr on the call's
+blocks, with its constants by content), the structure, shapes and dtypes of its arguments, the
 block plan, the precision and a digest of the *content* of its resident data, so every
 trace of the same model finds the same site, and a trace that computes anything else
 (a helper redefined, a module's or a class's attribute changed) finds another.
@@ -37,9 +37,7 @@ import weakref
 import jax
 import numpy as np
 
-from .internals import ClosedJaxpr, Jaxpr, Literal
-
-__all__ = ["computes", "digest", "frozen", "function_key", "owned", "site_key", "snapshot"]
+__all__ = ["digest", "frozen", "function_key", "owned", "site_key", "snapshot"]
 
 #: How deep :func:`function_key` and :func:`frozen` follow functions, containers and
 #: callable objects (a cycle ends here too).
@@ -93,31 +91,6 @@ def digest(x) -> str:
         with _lock:
             _memo[key] = (ref, out)
     return out
-
-
-def computes(closed) -> str:
-    """A digest of what a traced function computes: its jaxpr as JAX prints it (every
-    equation, parameter and scalar constant, nested jaxprs too) and the content of its
-    array constants. Whatever ``fn`` reads (a module's attribute, another module's
-    helper, an object without a ``__dict__``) shows in it, where a key made of ``fn``
-    itself can miss it. Two digests agree only where the traces compute alike."""
-    h = hashlib.sha256(str(closed.jaxpr).encode())
-    todo = [(closed.consts, closed.jaxpr)]
-    while todo:
-        consts, jaxpr = todo.pop()
-        for c in consts:
-            h.update(digest(c).encode())
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if isinstance(v, Literal) and np.ndim(v.val):
-                    h.update(digest(v.val).encode())
-            for p in eqn.params.values():
-                for x in p if isinstance(p, (tuple, list)) else (p,):
-                    if isinstance(x, ClosedJaxpr):
-                        todo.append((x.consts, x.jaxpr))
-                    elif isinstance(x, Jaxpr):
-                        todo.append(((), x))
-    return h.hexdigest()
 
 
 def _drop(key, ref) -> None:

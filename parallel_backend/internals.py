@@ -17,6 +17,7 @@ import jax.extend.core as _jex
 
 __all__ = [
     "CALLS",
+    "CUSTOM_RULES",
     "HOST_CODE",
     "LAPACK",
     "SCAN",
@@ -46,6 +47,9 @@ SCAN = "scan"
 WHILE = "while"
 #: Calls of a nested jaxpr that are transparent for cost purposes.
 CALLS = frozenset({"pjit", "jit", "closed_call", "custom_jvp_call"})
+#: Calls whose derivative is a Python rule (``custom_jvp``, ``custom_vjp``): the jaxpr
+#: names the rule but does not hold what it computes.
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 #: Host code: callbacks and foreign calls.
 HOST_CODE = frozenset({"pure_callback", "io_callback", "callback", "debug_callback",
                        "custom_call", "ffi_call"})

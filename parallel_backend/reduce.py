@@ -36,12 +36,13 @@ from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import detect_form, row_reduce_cap, scan_reduce_per_row
 from .hoist import conditions, constant_conditions
-from .identity import computes, site_key, snapshot
+from .identity import site_key, snapshot
 from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
 from .site import SiteState, run_eagerly
 from .spec import SiteSpec
 from .tasks import combine, fence, host_device, pad_blocks
+from .traced import computes
 
 __all__ = ["reduce_sum"]
 
@@ -122,7 +123,7 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     for rows in sorted({plan.block_rows if plan.n_full else 0, plan.tail_rows} - {0}):
         value_dtype, closed = check_output(fn, data_treedef, leaves, shared_treedef,
                                            shared_leaves, rows, plan, paths)
-        traces.append(computes(closed))
+        traces.append(computes(closed, rules=not traces))  # rules read alike on any block
 
     executor = resolve_executor(executor)
     traced_mask = tuple(_is_traced(x) for x in leaves)
@@ -196,7 +197,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
     # fn on one block of the spec's plan, as every process traces it
     with jax.enable_x64(x64), jax.default_device(host_device()):
         closed = jax.make_jaxpr(spec.block_fn())(*spec.block_struct())
-    return spec._replace(constants=_constants(spec, resident, closed), computes=computes(closed))
+        digest = computes(closed)
+    return spec._replace(constants=_constants(spec, resident, closed), computes=digest)
 
 
 def _constants(spec: SiteSpec, resident, closed) -> tuple:

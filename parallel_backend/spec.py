@@ -29,10 +29,11 @@ from .blocks import BlockPlan, TilePlan
 from .errors import TracedElsewhere
 from .forms import blocks_pool, hide_values, index_leaves
 from .hoist import Split, calls_fn, known_function, split_known, unknown_function
-from .identity import computes, owned
+from .identity import owned
 from .second_order import kept, merge
 from .sets import over_blocks, unblock
 from .tasks import Partials, block_axis, fence, host_device, pad_blocks, program_key, take_blocks
+from .traced import computes
 
 __all__ = ["Program", "SiteSpec"]
 
@@ -68,7 +69,7 @@ class SiteSpec(NamedTuple):
         Conditions on the data read as constants (:func:`.hoist.constant_conditions`).
     computes : str
         What ``fn`` computes on a block where the site was made
-        (:func:`.identity.computes`); every process that traces the spec checks it.
+        (:func:`.traced.computes`); every process that traces the spec checks it.
     """
 
     fn: Any
@@ -134,8 +135,8 @@ class Program:
         resident, traced, shared = spec.block_struct()
         with jax.enable_x64(spec.x64):
             closed = jax.make_jaxpr(spec.block_fn())(resident, traced, shared)
-        if spec.computes and computes(closed) != spec.computes:
-            raise TracedElsewhere(spec.label)
+            if spec.computes and computes(closed) != spec.computes:
+                raise TracedElsewhere(spec.label)
         self.split: Split = split_known(closed, len(resident), len(traced), spec.constants)
         #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
         self.blocks_pool = blocks_pool(closed)

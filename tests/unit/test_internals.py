@@ -103,6 +103,11 @@ def test_the_primitive_names_held_as_strings_are_jaxs():
     assert uses(lambda m: jnp.linalg.eigh(m)[0], x) & internals.LAPACK, VERSION
     assert uses(jax.jit(jnp.sin), 1.0) & internals.CALLS, VERSION
     assert uses(jax.nn.relu, 1.0) & internals.CALLS, VERSION  # a custom_jvp
+    # the calls whose derivative rules traced.computes traces apart
+    assert uses(jax.nn.relu, 1.0) & internals.CUSTOM_RULES, VERSION
+    with_vjp = jax.custom_vjp(jnp.sin)
+    with_vjp.defvjp(lambda v: (jnp.sin(v), v), lambda v, ct: (ct * jnp.cos(v),))
+    assert uses(with_vjp, 1.0) & internals.CUSTOM_RULES, VERSION
     # The elementwise names the hoisting treats as cheap, as this JAX names them.
     made = uses(lambda v: jnp.abs(-v) + jnp.maximum(v, 0) * jnp.square(v) - jnp.reshape(v, (1, 3))[0][::-1]
                 + jnp.where(v > 0, v, 0).astype(jnp.float32) + jnp.pad(v, 1)[1:-1] + v ** 2,

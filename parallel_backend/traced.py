@@ -1,0 +1,77 @@
+"""What a traced ``fn`` computes, as a digest (:func:`computes`): a site's key holds it,
+and every process that traces the site again checks it (``spec.Program``). Imports
+jax, numpy, hashlib and :mod:`.identity` (the content digest of arrays).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import numpy as np
+
+from .identity import digest
+from .internals import CUSTOM_RULES, ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+__all__ = ["computes"]
+
+
+def computes(closed, rules: bool = True) -> str:
+    """A digest of what a traced function computes: its jaxpr as JAX prints it (every
+    equation, parameter and scalar constant, nested jaxprs too) and the content of its
+    array constants. Whatever ``fn`` reads (a module's attribute, another module's
+    helper, an object without a ``__dict__``) shows in it, where a key made of ``fn``
+    itself can miss it. Two digests agree only where the traces compute alike.
+
+    A ``custom_jvp`` or ``custom_vjp`` rule is a Python function that the jaxpr names
+    but does not trace: where one is called (and ``rules``), the digest holds the jaxpr
+    of the function's vector-Jacobian product too (:func:`_pullback`), so a rule that
+    reads something changed since is seen. First derivatives only; where the product
+    cannot be traced (a rule that refuses some input), only that is in the digest.
+    Trace it under the precision of ``closed``'s trace."""
+    h = hashlib.sha256(str(closed.jaxpr).encode())
+    todo, custom = [(closed.consts, closed.jaxpr)], False
+    while todo:
+        consts, jaxpr = todo.pop()
+        for c in consts:
+            h.update(digest(c).encode())
+        for eqn in jaxpr.eqns:
+            custom = custom or eqn.primitive.name in CUSTOM_RULES
+            for v in eqn.invars:
+                if isinstance(v, Literal) and np.ndim(v.val):
+                    h.update(digest(v.val).encode())
+            for p in eqn.params.values():
+                for x in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(x, ClosedJaxpr):
+                        todo.append((x.consts, x.jaxpr))
+                    elif isinstance(x, Jaxpr):
+                        todo.append(((), x))
+    if custom and rules:
+        try:
+            h.update(computes(_pullback(closed), rules=False).encode())
+        except Exception as e:  # noqa: BLE001 - a rule that refuses these inputs: named only
+            h.update(f"no pullback: {type(e).__name__}".encode())
+    return h.hexdigest()
+
+
+def _pullback(closed):
+    """The jaxpr of ``closed``'s vector-Jacobian product over its inexact inputs and
+    outputs, traced now: the derivative rules it calls run in that trace."""
+    fun = jaxpr_as_fun(closed)
+    inexact = [np.issubdtype(a.dtype, np.inexact) for a in closed.in_avals]
+    outs = [i for i, a in enumerate(closed.out_avals) if np.issubdtype(a.dtype, np.inexact)]
+
+    def pull(args, cotangents):
+        def part(*d):
+            it = iter(d)
+            out = fun(*(next(it) if f else x for x, f in zip(args, inexact)))
+            return [out[i] for i in outs]
+
+        _, back = jax.vjp(part, *(x for x, f in zip(args, inexact) if f))
+        return back(cotangents)
+
+    def struct(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    return jax.make_jaxpr(pull)([struct(a) for a in closed.in_avals],
+                                [struct(closed.out_avals[i]) for i in outs])
