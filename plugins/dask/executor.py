@@ -337,7 +337,10 @@ class DaskExecutor(Executor):
         reply = await run_on(self._client, addr, function, args, self.timeout)
         self.count(bytes_sent=len(function) + len(args))
         if not isinstance(reply, dict) or reply.get("status") != "OK":
-            text = reply.get("text") if isinstance(reply, dict) else reply
+            # dask's error reply names the exception in "exception_text" (a task that
+            # could not even be unpickled there, say)
+            text = (reply.get("exception_text") or reply.get("text")
+                    if isinstance(reply, dict) else reply)
             raise RuntimeError(f"DaskExecutor: worker {addr} failed to run a parallel_backend "
                                f"task: {text}")
         return reply["result"]
