@@ -11,6 +11,8 @@
 set -u
 OUT=${1:-/tmp/out}
 PARTS=${PARTS:-"env gpu gpubench cpu scaling hosts"}
+# also: "trust" (the hang and traced-state tests on 16 cores), "nuts" (NUTS end to end),
+# "demo" (`parallel-backend demo` on 16 cores; .whl needs arviz 1.3 and its parts)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 if [ -d .whl ]; then
@@ -44,4 +46,11 @@ part scaling 80 env JAX_PLATFORMS=cpu python3 -m benchmarks scaling --likelihood
   --workers 1,4,16 --rounds 2 --machine "$M" --out "$OUT/scaling.jsonl"
 part hosts 130 env JAX_PLATFORMS=cpu python3 -m benchmarks.netcluster.bench hosts \
   --hosts 1,2,4,8 --sequences 4000 --block 250 --calls 20 --budget 3 --out "$OUT/hosts.jsonl"
+part trust 120 env JAX_PLATFORMS=cpu python3 -m pytest -p no:cacheprovider -n 0 -q \
+  tests/integration/test_no_hang.py tests/integration/test_traced_state.py
+part nuts 200 env JAX_PLATFORMS=cpu python3 -m benchmarks nuts \
+  --likelihoods hmm:50000,mixture:200000 --variants thread --repeats 1 --warmup 20 \
+  --samples 20 --max-tree-depth 4 --machine "$M" --out "$OUT/nuts.jsonl"
+part demo 300 env JAX_PLATFORMS=cpu python3 -c \
+  "import sys; from parallel_backend.plugins.cli import main; sys.exit(main(['demo', '--no-progress']))"
 } 2>&1 | tee "$OUT/log.txt"
