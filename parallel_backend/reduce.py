@@ -145,15 +145,23 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     choice = current_slot(executor, state)
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
-    blocked = functools.partial(blocked_sum, state.spec, resident)
-    call = _reduce(state, executor, grainsize, route, blocked)
     if route == "host" and not traced and not any(map(_is_traced, shared_leaves)):
         # Called eagerly (NumPyro's initialisation runs the model so): one program, done
         # before this returns. Op by op, the ops after the callback queued behind it on
         # XLA's device and took every slot of its in-flight limit, and the chunk programs
         # the callback waits for, launched from the executor's threads, waited for a slot.
-        return jax.block_until_ready(jax.jit(call)(traced, tuple(shared_leaves), choice))
+        eager = state.eager.get(grainsize)
+        if eager is None:  # compiled once per site and grainsize, for every eager call
+            eager = state.eager.setdefault(grainsize, jax.jit(
+                _reduce(state, executor, grainsize, route, _no_graph)))
+        return jax.block_until_ready(eager(traced, tuple(shared_leaves), choice))
+    blocked = functools.partial(blocked_sum, state.spec, resident)
+    call = _reduce(state, executor, grainsize, route, blocked)
     return call(traced, tuple(shared_leaves), choice)
+
+
+def _no_graph(*args):
+    raise AssertionError("the eager host program evaluates nothing in the graph")
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,

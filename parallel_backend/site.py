@@ -75,6 +75,8 @@ class SiteState:
         #: What the executor placed for this site elsewhere (device buffers, what it
         #: sent to workers), by name; dropped with the site (:meth:`release`).
         self.placed: dict = {}
+        #: The jitted eager call on the host route, by ``grainsize`` (see reduce_sum).
+        self.eager: dict = {}
         #: The counter compiled into this site's graph evaluations, if any.
         self.counter = None
         #: Gradient evaluations in the graph that pb.sample counted: (calls, batches).
@@ -137,6 +139,7 @@ class SiteState:
         if host is not None:
             host[1].delete()
         self.placed = {}
+        self.eager = {}  # its programs hold this state: no cycle left behind
 
     def __repr__(self) -> str:
         p = self.spec.plan

@@ -86,6 +86,30 @@ def test_integer_data_leaves_traced_under_jit(x64, executor, make_problem, asser
     assert_close(got, want, rtol=RTOL64)
 
 
+def test_eager_host_calls_compile_once_and_match_jit(assert_identical):
+    """Called eagerly on the host route, ``reduce_sum`` is one program per site, compiled
+    at the first call and reused by the next (new parameters, new arrays): the same bits
+    as the same call under ``jit``."""
+    x = np.random.default_rng(0).normal(size=(3_001, 2)).astype(np.float32)
+
+    def fn(rows, mu):
+        return -0.5 * jnp.sum((rows - mu) ** 2, axis=1)
+
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        def split(mu):
+            return pb.reduce_sum(fn, x, mu, executor=ex, block_rows=BLOCK_ROWS)
+
+        eager = [split(jnp.float32(m)) for m in (0.1, 0.2, 0.3)]
+        (state,) = ex.sites()
+        assert len(state.eager) == 1
+        programs = list(state.eager.values())
+        jitted = jax.jit(split)
+        for m, v in zip((0.1, 0.2, 0.3), eager):
+            assert_identical(v, jitted(jnp.float32(m)))
+        assert list(state.eager.values()) == programs  # jit's calls made none
+        assert len({float(v) for v in eager}) == 3
+
+
 # -- under JAX transformations ------------------------------------------------------------
 
 BATCH = 4
