@@ -102,7 +102,7 @@ class Slots:
     def take(self, executor, state):
         """The traced choice of ``state``'s site on ``executor``, or ``None`` where its
         route is fixed (it then runs where :meth:`Executor.route` says)."""
-        key = (id(executor), id(state))
+        key = (executor, state)  # both hash by identity, and the entry holds them
         i = self._index.get(key)
         if i is None:
             used = sum(s.slot is not None for s in self.sites)
