@@ -21,6 +21,7 @@ __all__ = [
     "HOST_CODE",
     "LAPACK",
     "SCAN",
+    "VJP_RULES",
     "WHILE",
     "ClosedJaxpr",
     "DebugInfo",
@@ -50,6 +51,8 @@ CALLS = frozenset({"pjit", "jit", "closed_call", "custom_jvp_call"})
 #: Calls whose derivative is a Python rule (``custom_jvp``, ``custom_vjp``): the jaxpr
 #: names the rule but does not hold what it computes.
 CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+#: Those of them whose backward rule runs only when the derivative is transposed.
+VJP_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 #: Host code: callbacks and foreign calls.
 HOST_CODE = frozenset({"pure_callback", "io_callback", "callback", "debug_callback",
                        "custom_call", "ffi_call"})

@@ -107,7 +107,9 @@ def test_the_primitive_names_held_as_strings_are_jaxs():
     assert uses(jax.nn.relu, 1.0) & internals.CUSTOM_RULES, VERSION
     with_vjp = jax.custom_vjp(jnp.sin)
     with_vjp.defvjp(lambda v: (jnp.sin(v), v), lambda v, ct: (ct * jnp.cos(v),))
-    assert uses(with_vjp, 1.0) & internals.CUSTOM_RULES, VERSION
+    assert uses(with_vjp, 1.0) & internals.VJP_RULES, VERSION
+    assert internals.VJP_RULES <= internals.CUSTOM_RULES
+    assert not uses(jax.nn.relu, 1.0) & internals.VJP_RULES, VERSION
     # The elementwise names the hoisting treats as cheap, as this JAX names them.
     made = uses(lambda v: jnp.abs(-v) + jnp.maximum(v, 0) * jnp.square(v) - jnp.reshape(v, (1, 3))[0][::-1]
                 + jnp.where(v > 0, v, 0).astype(jnp.float32) + jnp.pad(v, 1)[1:-1] + v ** 2,
