@@ -145,23 +145,26 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     choice = current_slot(executor, state)
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
-    if route == "host" and not traced and not any(map(_is_traced, shared_leaves)):
+    if not traced and not any(map(_is_traced, shared_leaves)):
         # Called eagerly (NumPyro's initialisation runs the model so): one program, done
-        # before this returns. Op by op, the ops after the callback queued behind it on
-        # XLA's device and took every slot of its in-flight limit, and the chunk programs
-        # the callback waits for, launched from the executor's threads, waited for a slot.
-        eager = state.eager.get(grainsize)
-        if eager is None:  # compiled once per site and grainsize, for every eager call
-            eager = state.eager.setdefault(grainsize, jax.jit(
-                _reduce(state, executor, grainsize, route, _no_graph)))
+        # before this returns, on any route. On the host route, op by op, the ops after the
+        # callback queued behind it on XLA's device and took every slot of its in-flight
+        # limit, and the chunk programs the callback waits for, launched from the
+        # executor's threads, waited for a slot. On the graph route, op by op, each small
+        # op around the blocks' program (the sum of the partials, the fences) compiled
+        # apart: about thirty compilations at a site's first call, where one does.
+        eager = state.eager.get((grainsize, route))
+        if eager is None:  # compiled once per site, grainsize and route, for every eager call
+            eager = state.eager.setdefault((grainsize, route), jax.jit(
+                _reduce(state, executor, grainsize, route, _no_derivative)))
         return jax.block_until_ready(eager(traced, tuple(shared_leaves), choice))
     blocked = functools.partial(blocked_sum, state.spec, resident)
     call = _reduce(state, executor, grainsize, route, blocked)
     return call(traced, tuple(shared_leaves), choice)
 
 
-def _no_graph(*args):
-    raise AssertionError("the eager host program evaluates nothing in the graph")
+def _no_derivative(*args):
+    raise AssertionError("an eager call has no tangents: its program differentiates nothing")
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
@@ -349,8 +352,19 @@ def _reduce(state, executor, grainsize, route, blocked):
         tt, ts, _ = tangents
         dt = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(traced, tt))
         ds = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(shared, ts))
-        v, gd, gs = value_and_grads(traced, shared, choice, dt, ds)
+        v, gd, gs = eager_or(value_and_grads, traced, shared, choice)(traced, shared, choice,
+                                                                      dt, ds)
         return v, _dotted(v, [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))])
+
+    def eager_or(vg, traced, shared, choice):
+        """``vg``, or, where the primals are values (an eager ``jax.grad``), ``vg`` compiled
+        as one program per site, grainsize and route, as an eager value is (reduce_sum)."""
+        if any(map(_is_traced, (*traced, *shared, choice))):
+            return vg
+        key = ("grad", grainsize, route)
+        jitted = state.eager.get(key) or state.eager.setdefault(
+            key, jax.jit(vg, static_argnums=(3, 4)))
+        return lambda *args: jax.block_until_ready(jitted(*args))  # done before it returns
 
     value.defjvp(value_jvp, symbolic_zeros=True)
     return value

@@ -86,28 +86,34 @@ def test_integer_data_leaves_traced_under_jit(x64, executor, make_problem, asser
     assert_close(got, want, rtol=RTOL64)
 
 
-def test_eager_host_calls_compile_once_and_match_jit(assert_identical):
-    """Called eagerly on the host route, ``reduce_sum`` is one program per site, compiled
-    at the first call and reused by the next (new parameters, new arrays): the same bits
-    as the same call under ``jit``."""
+@pytest.mark.parametrize("dispatch", ["host", "graph"])
+def test_eager_calls_compile_once_and_match_jit(assert_identical, dispatch):
+    """Called eagerly, ``reduce_sum`` and its ``jax.grad`` are one program each per site,
+    compiled at the first call and reused by the next (new parameters, new arrays), on
+    either route: the same bits as the same calls under ``jit``."""
     x = np.random.default_rng(0).normal(size=(3_001, 2)).astype(np.float32)
 
     def fn(rows, mu):
         return -0.5 * jnp.sum((rows - mu) ** 2, axis=1)
 
-    with pb.ThreadExecutor(2, dispatch="host") as ex:
+    with pb.ThreadExecutor(2, dispatch=dispatch) as ex:
         def split(mu):
             return pb.reduce_sum(fn, x, mu, executor=ex, block_rows=BLOCK_ROWS)
 
-        eager = [split(jnp.float32(m)) for m in (0.1, 0.2, 0.3)]
+        mus = [jnp.float32(m) for m in (0.1, 0.2, 0.3)]
+        eager = [split(m) for m in mus]
+        eager_vg = [jax.value_and_grad(split)(m) for m in mus]
         (state,) = ex.sites()
-        assert len(state.eager) == 1
+        assert sorted(map(str, state.eager)) == [f"('grad', None, '{dispatch}')",
+                                                 f"(None, '{dispatch}')"]
         programs = list(state.eager.values())
-        jitted = jax.jit(split)
-        for m, v in zip((0.1, 0.2, 0.3), eager):
-            assert_identical(v, jitted(jnp.float32(m)))
+        jitted, jitted_vg = jax.jit(split), jax.jit(jax.value_and_grad(split))
+        for m, v, vg in zip(mus, eager, eager_vg):
+            assert_identical(v, jitted(m))
+            assert_identical(vg, jitted_vg(m))
         assert list(state.eager.values()) == programs  # jit's calls made none
         assert len({float(v) for v in eager}) == 3
+        assert len({float(g) for _, g in eager_vg}) == 3
 
 
 # -- under JAX transformations ------------------------------------------------------------
