@@ -92,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the data as the model's argument (traced), not closed over")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="force this many host CPU devices (for the device variants)")
+    p.add_argument("--fresh", action="store_true",
+                   help="every run in a new process (a first fit: nothing compiled before)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
 
     p = sub.add_parser("report", help="markdown tables from records")

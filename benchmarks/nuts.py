@@ -9,7 +9,9 @@ per gradient of the sampling phase, timed from the end of warmup by the host tim
 of ``profile_timing.StampedKernel`` (the timing ``pb.profile``'s NUTS check uses): its
 wall time over its gradient evaluations (each carries every chain). ``plain_1core`` is
 plain NumPyro in a child process pinned to one core (``taskset -c 0``), the reference
-of parallel efficiency.
+of parallel efficiency. With ``--fresh`` every run is a new process: in one process the
+later runs find the small programs of eager operations compiled by the earlier ones, and
+a short fit's wall time is mostly compilation.
 
 ``--kernel hmc`` runs HMC with a fixed ``--num-steps`` leapfrog steps per transition
 (step size and mass matrix adapted in warmup): every variant then evaluates the same
@@ -107,11 +109,17 @@ def run_one(spec: dict, variant: str, seed: int) -> dict:
 
 
 def _pinned(spec, seed) -> dict:
-    cmd = ["taskset", "-c", "0", sys.executable, "-m", "benchmarks", "nuts", "--one",
-           json.dumps([spec, "plain", seed])]
+    return _child(spec, "plain", seed, ["taskset", "-c", "0"])
+
+
+def _child(spec, variant, seed, prefix=()) -> dict:
+    """:func:`run_one` in a new process (nothing compiled before it, as a user's first
+    fit), run by ``prefix`` (``taskset``...)."""
+    cmd = [*prefix, sys.executable, "-m", "benchmarks", "nuts", "--one",
+           json.dumps([spec, variant, seed])]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if done.returncode:
-        raise SystemExit("nuts: the plain_1core child failed:\n" + done.stderr[-3000:])
+        raise SystemExit(f"nuts: the {variant} child failed:\n" + done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -126,11 +134,12 @@ def nuts(args, env) -> list:
                     "chain_method": args.chain_method, "warmup": args.warmup,
                     "samples": args.samples, "kernel": args.kernel,
                     "num_steps": args.num_steps, "max_tree_depth": args.max_tree_depth,
-                    "data_as_args": args.data_as_args}
+                    "data_as_args": args.data_as_args, "fresh": args.fresh}
             runs = {v: [] for v in wanted}
             for rep in range(args.repeats):
                 for v in wanted:  # interleaved, so drift hits every variant alike
-                    runs[v].append(run_one(spec, v, seed=rep))
+                    runs[v].append(_child(spec, v, rep) if args.fresh and v != "plain_1core"
+                                   else run_one(spec, v, seed=rep))
             out += _records(env, model, n, spec, runs, args.repeats)
             plain = out[-len(wanted)]
             text = " ".join(f"{r['variant']}={r['ratio']:.2f}x" for r in out[-len(wanted):]
@@ -145,8 +154,8 @@ def _records(env, model, n, spec, runs, repeats) -> list:
     per_grad = {v: (float(np.median([r["ms_per_grad"] for r in rs]))
                     if all(r["ms_per_grad"] is not None for r in rs) else None)
                 for v, rs in runs.items()}
-    settings = {k: spec[k] for k in ("chains", "chain_method", "warmup", "samples", "kernel",
-                                     "data_as_args")}
+    settings = {k: spec.get(k) for k in ("chains", "chain_method", "warmup", "samples",
+                                         "kernel", "data_as_args", "fresh")}
     settings["kernel"] = (f"hmc, {spec['num_steps']} steps" if spec["kernel"] == "hmc"
                           else f"nuts, max_tree_depth {spec['max_tree_depth']}")
     out = []
