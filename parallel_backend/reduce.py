@@ -145,22 +145,28 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     choice = current_slot(executor, state)
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
-    if not traced and not any(map(_is_traced, shared_leaves)):
+    if route == "host" and not traced and not any(map(_is_traced, shared_leaves)):
         # Called eagerly (NumPyro's initialisation runs the model so): one program, done
-        # before this returns, on any route. On the host route, op by op, the ops after the
-        # callback queued behind it on XLA's device and took every slot of its in-flight
-        # limit, and the chunk programs the callback waits for, launched from the
-        # executor's threads, waited for a slot. On the graph route, op by op, each small
-        # op around the blocks' program (the sum of the partials, the fences) compiled
-        # apart: about thirty compilations at a site's first call, where one does.
-        eager = state.eager.get((grainsize, route))
-        if eager is None:  # compiled once per site, grainsize and route, for every eager call
-            eager = state.eager.setdefault((grainsize, route), jax.jit(
+        # before this returns. Op by op, the ops after the callback queued behind it on
+        # XLA's device and took every slot of its in-flight limit, and the chunk programs
+        # the callback waits for, launched from the executor's threads, waited for a slot.
+        # (On the graph route the blocks' program is compiled once already, the data its
+        # argument; a program around it would hold a copy of the data as constants.)
+        eager = state.eager.get((grainsize, "value"))
+        if eager is None:  # compiled once per site and grainsize, for every eager call
+            eager = state.eager.setdefault((grainsize, "value"), jax.jit(
                 _reduce(state, executor, grainsize, route, _no_derivative)))
         return jax.block_until_ready(eager(traced, tuple(shared_leaves), choice))
     blocked = functools.partial(blocked_sum, state.spec, resident)
     call = _reduce(state, executor, grainsize, route, blocked)
     return call(traced, tuple(shared_leaves), choice)
+
+
+@jax.jit
+def _finish(values, shared_grads, data_grads):
+    """``fence(combine(...))`` of partials computed eagerly: one compiled program (cached by
+    shapes) where op by op each addition and the fence compiled apart; the same bits."""
+    return fence(combine(values, shared_grads, data_grads))
 
 
 def _no_derivative(*args):
@@ -294,7 +300,10 @@ def _reduce(state, executor, grainsize, route, blocked):
         # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations; a descent's step
         # contracted to an FMA or not, jax 0.10). An optimization barrier did not hold:
         # XLA removes it before it fuses.
-        return fence(combine(*partials(traced, shared, choice, dt, ds)))
+        parts = partials(traced, shared, choice, dt, ds)
+        if any(map(_is_traced, jax.tree.leaves(parts))):
+            return fence(combine(*parts))
+        return _finish(*parts)  # partials computed eagerly: the rest as one program too
 
     # Value and gradients (of the leaves ``dt``, ``ds`` mark) on the route; their own
     # derivatives are per-block Hessian-vector products (see :mod:`.second_order`).
@@ -357,11 +366,12 @@ def _reduce(state, executor, grainsize, route, blocked):
         return v, _dotted(v, [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))])
 
     def eager_or(vg, traced, shared, choice):
-        """``vg``, or, where the primals are values (an eager ``jax.grad``), ``vg`` compiled
-        as one program per site, grainsize and route, as an eager value is (reduce_sum)."""
-        if any(map(_is_traced, (*traced, *shared, choice))):
+        """``vg``, or, on the host route where the primals are values (an eager
+        ``jax.grad``), ``vg`` compiled as one program per site and grainsize, as an eager
+        value is there (reduce_sum)."""
+        if route != "host" or any(map(_is_traced, (*traced, *shared, choice))):
             return vg
-        key = ("grad", grainsize, route)
+        key = (grainsize, "grad")
         jitted = state.eager.get(key) or state.eager.setdefault(
             key, jax.jit(vg, static_argnums=(3, 4)))
         return lambda *args: jax.block_until_ready(jitted(*args))  # done before it returns

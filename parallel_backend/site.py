@@ -75,7 +75,8 @@ class SiteState:
         #: What the executor placed for this site elsewhere (device buffers, what it
         #: sent to workers), by name; dropped with the site (:meth:`release`).
         self.placed: dict = {}
-        #: The jitted eager call, by ``(grainsize, route)`` (see reduce_sum).
+        #: The jitted eager calls on the host route, by ``(grainsize, "value" or "grad")``
+        #: (see reduce_sum).
         self.eager: dict = {}
         #: The counter compiled into this site's graph evaluations, if any.
         self.counter = None
