@@ -152,11 +152,9 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
         # the callback waits for, launched from the executor's threads, waited for a slot.
         # (On the graph route the blocks' program is compiled once already, the data its
         # argument; a program around it would hold a copy of the data as constants.)
-        eager = state.eager.get((grainsize, "value"))
-        if eager is None:  # compiled once per site and grainsize, for every eager call
-            eager = state.eager.setdefault((grainsize, "value"), jax.jit(
-                _reduce(state, executor, grainsize, route, _no_derivative)))
-        return jax.block_until_ready(eager(traced, tuple(shared_leaves), choice))
+        eager = state.eager_call((grainsize, "value"),
+                                 lambda: _reduce(state, executor, grainsize, route, _no_derivative))
+        return eager(traced, tuple(shared_leaves), choice)
     blocked = functools.partial(blocked_sum, state.spec, resident)
     call = _reduce(state, executor, grainsize, route, blocked)
     return call(traced, tuple(shared_leaves), choice)
@@ -366,15 +364,11 @@ def _reduce(state, executor, grainsize, route, blocked):
         return v, _dotted(v, [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))])
 
     def eager_or(vg, traced, shared, choice):
-        """``vg``, or, on the host route where the primals are values (an eager
-        ``jax.grad``), ``vg`` compiled as one program per site and grainsize, as an eager
-        value is there (reduce_sum)."""
+        """``vg``; on the host route, where the primals are values (an eager ``jax.grad``),
+        one program, as an eager value is there (reduce_sum)."""
         if route != "host" or any(map(_is_traced, (*traced, *shared, choice))):
             return vg
-        key = (grainsize, "grad")
-        jitted = state.eager.get(key) or state.eager.setdefault(
-            key, jax.jit(vg, static_argnums=(3, 4)))
-        return lambda *args: jax.block_until_ready(jitted(*args))  # done before it returns
+        return state.eager_call((grainsize, "grad"), lambda: vg, static_argnums=(3, 4))
 
     value.defjvp(value_jvp, symbolic_zeros=True)
     return value

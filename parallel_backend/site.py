@@ -76,7 +76,7 @@ class SiteState:
         #: sent to workers), by name; dropped with the site (:meth:`release`).
         self.placed: dict = {}
         #: The jitted eager calls on the host route, by ``(grainsize, "value" or "grad")``
-        #: (see reduce_sum).
+        #: (see :meth:`eager_call`).
         self.eager: dict = {}
         #: The counter compiled into this site's graph evaluations, if any.
         self.counter = None
@@ -132,6 +132,13 @@ class SiteState:
                 if self.host is None:
                     self.host = (program, Resident(prepared, 0, self.spec.x64, host_device()))
         return self.host
+
+    def eager_call(self, key, make, **jit_options):
+        """``jax.jit(make())`` made once per ``key`` and kept (:attr:`eager`), as a call
+        that waits for its result: an eager call on the host route is one program (see
+        ``reduce_sum``)."""
+        fn = self.eager.get(key) or self.eager.setdefault(key, jax.jit(make(), **jit_options))
+        return lambda *args: jax.block_until_ready(fn(*args))
 
     def release(self) -> None:
         """Free this process's device copies and drop what the executor placed (the state
