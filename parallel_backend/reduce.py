@@ -250,11 +250,12 @@ def _batchable(block, resident, traced, shared) -> bool:
 # -- the custom JVP ----------------------------------------------------------------
 
 
-def _reduce(state, executor, grainsize, route, blocked):
+def _reduce(state, executor, grainsize, route, blocked, grads=False):
     """The differentiable function of (traced data leaves, shared leaves, choice),
     evaluated on ``route`` (``"graph"`` or ``"host"``; ``choice`` is ``None``), or, with
     ``route=None``, where the int32 ``choice`` says when the program runs
-    (:data:`~parallel_backend.dispatch.HOST` or ``GRAPH``; both are compiled in)."""
+    (:data:`~parallel_backend.dispatch.HOST` or ``GRAPH``; both are compiled in).
+    ``grads``: its value and gradients, ``f(traced, shared, choice, dt, ds)``, instead."""
     counter = executor.graph_counter(state) if executor.count_calls else None
 
     def counted(out):
@@ -368,10 +369,12 @@ def _reduce(state, executor, grainsize, route, blocked):
         one program, as an eager value is there (reduce_sum)."""
         if route != "host" or any(map(_is_traced, (*traced, *shared, choice))):
             return vg
-        return state.eager_call((grainsize, "grad"), lambda: vg, static_argnums=(3, 4))
+        # Not ``vg``: its derivative rule holds the data (``blocked``), the site would too.
+        return state.eager_call((grainsize, "grad"), lambda: _reduce(
+            state, executor, grainsize, route, _no_derivative, grads=True), static_argnums=(3, 4))
 
     value.defjvp(value_jvp, symbolic_zeros=True)
-    return value
+    return value_and_grads if grads else value
 
 
 def _dotted(v, pairs):
