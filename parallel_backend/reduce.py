@@ -360,16 +360,15 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
         tt, ts, _ = tangents
         dt = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(traced, tt))
         ds = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(shared, ts))
-        v, gd, gs = eager_or(value_and_grads, traced, shared, choice)(traced, shared, choice,
-                                                                      dt, ds)
+        v, gd, gs = eager_or(traced, shared, choice)(traced, shared, choice, dt, ds)
         return v, _dotted(v, [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))])
 
-    def eager_or(vg, traced, shared, choice):
-        """``vg``; on the host route, where the primals are values (an eager ``jax.grad``),
-        one program, as an eager value is there (reduce_sum)."""
+    def eager_or(traced, shared, choice):
+        """``value_and_grads``; on the host route, where the primals are values (an eager
+        ``jax.grad``), one program, as an eager value is there (reduce_sum)."""
         if route != "host" or any(map(_is_traced, (*traced, *shared, choice))):
-            return vg
-        # Not ``vg``: its derivative rule holds the data (``blocked``), the site would too.
+            return value_and_grads
+        # Not this one: its derivative rule holds the data (``blocked``), the site would too.
         return state.eager_call((grainsize, "grad"), lambda: _reduce(
             state, executor, grainsize, route, _no_derivative, grads=True), static_argnums=(3, 4))
 

@@ -137,7 +137,9 @@ class SiteState:
         """``jax.jit(make())`` made once per ``key`` and kept (:attr:`eager`), as a call
         that waits for its result: an eager call on the host route is one program (see
         ``reduce_sum``)."""
-        fn = self.eager.get(key) or self.eager.setdefault(key, jax.jit(make(), **jit_options))
+        fn = self.eager.get(key)
+        if fn is None:
+            fn = self.eager.setdefault(key, jax.jit(make(), **jit_options))
         return lambda *args: jax.block_until_ready(fn(*args))
 
     def release(self) -> None:
