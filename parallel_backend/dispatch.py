@@ -56,16 +56,18 @@ LOOP = 4
 def default_route(executor, state) -> str:
     """``"graph"`` or ``"host"`` for ``state``'s site on ``executor`` without measuring:
     the executor's fixed ``dispatch``, else (``"auto"``) the host where the site is
-    evaluated block by block (XLA keeps such a body on one core) and the host path can
-    split it (two workers, two tiles), else the graph (where XLA threads the batched
-    evaluation as it threads plain NumPyro).
+    evaluated block by block for a ``scan`` (XLA keeps such a body on one core) and the
+    host path can split it (two workers, two tiles), else the graph (where XLA threads
+    the batched evaluation as it threads plain NumPyro, and the blocks looped for a
+    reduction within rows: two chunk programs of such blocks at once on two threads ran
+    hardly faster than one after the other, a mixture at 200,000 rows).
 
     Fewer tiles than workers still pays: on 16 cores the HMM at 10,000 and 50,000
     sequences (8 and 25 tiles) beat plain on the host and lost in the graph, whose block
     loop holds one core while plain's scan takes three (docs/performance.md)."""
     if executor.dispatch != "auto":
         return executor.dispatch
-    if executor.can_use_host(state) and state.spec.form == "looped":
+    if executor.can_use_host(state) and state.spec.form == "looped" and not state.spec.row_loop:
         return "host"
     return "graph"
 

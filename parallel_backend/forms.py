@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .blocks import YNN_REDUCE
 from .internals import CALLS, LAPACK, SCAN, Literal, jaxprs_in_params
 
-__all__ = ["FORMS", "blocks_pool", "detect_form", "hide_values", "index_leaves",
-           "row_reduce_cap", "scan_reduce_per_row"]
+__all__ = ["FORMS", "blocks_pool", "detect_form", "form_of", "hide_values", "index_leaves",
+           "row_reduce_cap", "row_reduce_elements", "scan_reduce_per_row"]
 
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` run best one block at a time (see the module docstring).
@@ -96,28 +98,70 @@ def row_reduce_cap(closed, rows: int) -> int:
     """The most rows per block (a power of two) that keep the widest reduction within
     rows of ``fn``'s jaxpr (traced on ``rows`` rows) under :data:`ROW_REDUCE_BYTES`, or
     0 where ``fn`` reduces nothing within rows (then only the data sizes the blocks)."""
-    per_row = _row_reduce_bytes(closed.jaxpr, rows)
+    per_row = _row_reduce(closed.jaxpr, rows, bytes_=True)
     return 1 << int(math.log2(max(ROW_REDUCE_BYTES // per_row, 1))) if per_row else 0
 
 
-def _row_reduce_bytes(jaxpr, rows: int) -> int:
-    """Bytes per row of the widest array ``jaxpr`` reduces within each row (a mixture's
-    ``logsumexp`` over its components: ``(rows, k)`` to ``(rows,)``, ``k`` values per
-    row), at any depth, or 0. Reductions over the rows themselves do not count."""
+def row_reduce_elements(closed, rows: int) -> int:
+    """Elements per row of the widest array ``fn``'s jaxpr (traced on ``rows`` rows)
+    reduces within each row, or 0 (see :func:`_row_reduce`)."""
+    return _row_reduce(closed.jaxpr, rows)
+
+
+def _row_reduce(jaxpr, rows: int, bytes_: bool = False) -> int:
+    """Elements (``bytes_``: bytes) per row of the widest array ``jaxpr`` reduces within
+    each row (a mixture's ``logsumexp`` over its components: ``(rows, k)`` to
+    ``(rows,)``, ``k`` values per row), at any depth, or 0. Reductions over the rows
+    themselves do not count."""
     widest = 0
     for eqn in jaxpr.eqns:
         aval = eqn.invars[0].aval if eqn.invars else None
         if (eqn.primitive.name in REDUCTIONS and aval is not None and len(aval.shape) > 1
                 and aval.shape[0] == rows and 0 not in eqn.params.get("axes", (0,))):
-            widest = max(widest, math.prod(aval.shape[1:]) * aval.dtype.itemsize)
+            size = math.prod(aval.shape[1:]) * (aval.dtype.itemsize if bytes_ else 1)
+            widest = max(widest, size)
         for sub in jaxprs_in_params(eqn.params):
-            widest = max(widest, _row_reduce_bytes(sub, rows))
+            widest = max(widest, _row_reduce(sub, rows, bytes_))
     return widest
 
 
-def detect_form(closed) -> str:
-    """``"looped"`` when the jaxpr holds a ``scan``, else ``"batched"``."""
-    return "looped" if _uses(closed.jaxpr, LOOPS) else "batched"
+#: Where ``fn`` reduces within each row and has no ``scan``, the blocks loop if one of
+#: this many rows keeps that reduction under :data:`.blocks.YNN_REDUCE` (see
+#: :func:`detect_form`). jax 0.12 ran a mixture of 2 to 64 components faster looped (down
+#: to blocks of 63 rows); jax 0.10 ran the same looped programs slower from 5 components
+#: on (0.43x-0.92x of plain against 1.05x-1.21x batched), faster at 2 and 3 (Xeon 2,
+#: docs/performance.md, "Reductions within rows").
+ROW_REDUCE_LOOP_ROWS = 48 if jax.__version_info__ >= (0, 12) else 1024
+
+
+def form_of(closed, rows: int, fixed: bool) -> tuple[str, bool]:
+    """:func:`detect_form` with ``rows``, and whether a looped form is for a reduction
+    within rows (where XLA threads a block itself) rather than for a ``scan``."""
+    form = detect_form(closed, rows, fixed)
+    return form, form != detect_form(closed)
+
+
+def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
+    """``"looped"`` when the jaxpr holds a ``scan``; with ``rows`` (the rows ``closed``
+    was traced on), also where ``fn`` reduces within each row (a mixture's
+    ``logsumexp``) so few elements that a looped block keeps that reduction under
+    :data:`.blocks.YNN_REDUCE`: a block of :data:`ROW_REDUCE_LOOP_ROWS` rows, or of
+    ``rows`` where the blocks are ``fixed`` (given by the caller) and larger; else
+    ``"batched"``.
+
+    A batched evaluation reduces within the rows of all its blocks at once: XLA:CPU
+    hands that reduction to YNNPACK, whose operands it must first write out in full
+    (each elementwise step of the ``logsumexp`` and of its gradient), where a looped
+    block under the threshold keeps them in XLA's own fused loops (docs/performance.md,
+    "Reductions within rows")."""
+    if _uses(closed.jaxpr, LOOPS):
+        return "looped"
+    if rows is not None and not _uses(closed.jaxpr, POOL_BLOCKING):
+        per_row = row_reduce_elements(closed, rows)
+        least = max(rows, ROW_REDUCE_LOOP_ROWS) if fixed else ROW_REDUCE_LOOP_ROWS
+        if per_row and least * per_row < YNN_REDUCE:
+            return "looped"
+    return "batched"
 
 
 def blocks_pool(closed) -> bool:

@@ -34,7 +34,7 @@ from .blocks import (
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
-from .forms import detect_form, row_reduce_cap, scan_reduce_per_row
+from .forms import form_of, row_reduce_cap, row_reduce_elements, scan_reduce_per_row
 from .hoist import conditions, constant_conditions
 from .identity import site_key, snapshot
 from .internals import is_tracer
@@ -174,11 +174,10 @@ def _no_derivative(*args):
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
               label=None, balance=True, resident=None) -> SiteSpec:
     """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
-    a trace of ``fn`` on one block), the tile plan, and, with the default block size,
-    the form's own blocks: for the batched form no larger than
-    :func:`~.forms.row_reduce_cap` allows and evened out so that the last block needs
-    little padding, for the looped form :func:`~.blocks.looped_blocks`; and the
-    conditions on the resident rows read as constants."""
+    a trace of ``fn`` on one block), the tile plan, and, with the default block size, the
+    form's own blocks: batched, no larger than :func:`~.forms.row_reduce_cap` allows and
+    evened out; looped, :func:`~.blocks.looped_blocks`; and the conditions on the
+    resident rows read as constants."""
     traced = tuple(_is_traced(x) for x in leaves)
     row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
     shared_avals = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in shared_leaves)
@@ -195,18 +194,20 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
 
     with jax.enable_x64(x64):
         closed = jax.make_jaxpr(block)(resident_s, traced_s, shared_s)
-        form = detect_form(closed)
+        rows = draft.plan.block_rows
+        form, row_loop = form_of(closed, rows, fixed=not balance)
         if form == "batched" and not _batchable(block, resident_s, traced_s, shared_s):
             form = "looped"
         if balance and form == "looped":
-            plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize,
-                                 scan_reduce_per_row(closed, draft.plan.block_rows, trace))
+            per_row = scan_reduce_per_row(closed, rows, trace) or row_reduce_elements(closed, rows)
+            plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize, per_row)
     if balance and form == "batched":  # smaller blocks where fn reduces within rows
-        cap = row_reduce_cap(closed, draft.plan.block_rows)
+        cap = row_reduce_cap(closed, rows)
         if cap and max(cap, MIN_BLOCK_ROWS) < plan.block_rows:
             plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
         plan = balance_blocks(plan)
-    spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"))
+    spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"),
+                          row_loop=row_loop)
     if resident is None:
         resident = [x for x, t in zip(leaves, traced) if not t]
     # fn on one block of the spec's plan, as every process traces it

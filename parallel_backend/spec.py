@@ -70,6 +70,8 @@ class SiteSpec(NamedTuple):
     computes : str
         What ``fn`` computes on a block where the site was made
         (:func:`.traced.computes`); every process that traces the spec checks it.
+    row_loop : bool
+        Looped for a reduction within rows, not for a ``scan`` (:func:`.forms.detect_form`).
     """
 
     fn: Any
@@ -86,6 +88,7 @@ class SiteSpec(NamedTuple):
     label: str
     constants: tuple = ()
     computes: str = ""
+    row_loop: bool = False
 
     @property
     def n_traced(self) -> int:

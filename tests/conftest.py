@@ -302,6 +302,20 @@ def hmm(n: int, rng, steps: int = 12, states: int = 3) -> Problem:
     return Problem(loglik, _float(obs), {}, params, _identity)
 
 
+def mixture(n: int, rng, components: int = 3) -> Problem:
+    """A Gaussian mixture per row: a ``logsumexp`` over a few components within each row."""
+    means = np.linspace(-2.0, 2.0, components)
+    y = means[rng.integers(0, components, size=n)] + rng.normal(size=n)
+
+    def loglik(y, logits, mu, log_sigma):
+        z = (y[:, None] - mu) / jnp.exp(log_sigma)
+        comp = jax.nn.log_softmax(logits) - 0.5 * z * z - log_sigma
+        return jax.scipy.special.logsumexp(comp, axis=-1)
+
+    params = (_float(np.zeros(components)), _float(means * 0.9), _float(np.zeros(components)))
+    return Problem(loglik, _float(y), {}, params, _identity)
+
+
 def newton(n: int, rng) -> Problem:
     """The benchmarks' per-row iterative solve (``benchmarks/likelihoods.py``): Newton
     steps in a ``while_loop`` until every row of the chunk converged, so the iteration
@@ -322,7 +336,7 @@ def _benchmark_likelihoods():
 
 PROBLEMS = {"logistic": logistic, "normal_array": normal_array,
             "random_effects": random_effects, "poisson_nested": poisson_nested,
-            "negbin": negbin, "hmm": hmm, "newton": newton}
+            "negbin": negbin, "hmm": hmm, "newton": newton, "mixture": mixture}
 
 
 @pytest.fixture

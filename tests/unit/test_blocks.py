@@ -15,13 +15,14 @@ from parallel_backend.blocks import (
     SMALL_BLOCKS,
     SMALL_SPLIT_ROWS,
     TARGET_BLOCK_BYTES,
+    YNN_REDUCE,
     BlockPlan,
     balance_blocks,
     plan_blocks,
     tree_sum,
 )
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
-from parallel_backend.forms import ROW_REDUCE_BYTES, row_reduce_cap
+from parallel_backend.forms import ROW_REDUCE_BYTES, ROW_REDUCE_LOOP_ROWS, row_reduce_cap
 
 # -- plan_blocks ---------------------------------------------------------------------------
 
@@ -180,20 +181,56 @@ def _mixture(k):
     return fn
 
 
-@pytest.mark.parametrize("k, rows", [(3, 8192), (8, 2048), (64, MIN_BLOCK_ROWS)])
-def test_a_reduction_within_rows_caps_the_blocks(k, rows):
-    """A mixture's ``logsumexp`` over ``k`` components reads ``k`` values per row: the
-    default blocks keep it under ``ROW_REDUCE_BYTES`` (float32), evened out; an elementwise
-    ``fn`` over the same data keeps the data's blocks."""
+@pytest.mark.parametrize("k, rows", [(16, 1024), (96, MIN_BLOCK_ROWS)])
+def test_a_reduction_within_rows_caps_or_loops_the_blocks(k, rows):
+    """A mixture's ``logsumexp`` over ``k`` components reads ``k`` values per row. Where a
+    block of ``ROW_REDUCE_LOOP_ROWS`` keeps that under ``YNN_REDUCE`` the blocks loop, each
+    under it; else the batched blocks keep it under ``ROW_REDUCE_BYTES`` (float32), evened
+    out. An elementwise ``fn`` over the same data keeps the data's blocks."""
     y, mu = jnp.zeros(1_000_000, jnp.float32), jnp.zeros(k, jnp.float32)
     with pb.SerialExecutor() as ex:
         pb.reduce_sum(_mixture(k), y, mu, executor=ex)
         pb.reduce_sum(lambda y, mu: -0.5 * (y - mu[0]) ** 2, y, mu, executor=ex)
         mixture, elementwise = ex.stats()["sites"]
-    assert rows // 2 < mixture["block_rows"] <= rows
-    assert mixture["block_rows"] * k * 4 <= ROW_REDUCE_BYTES
+    if ROW_REDUCE_LOOP_ROWS * k < YNN_REDUCE:
+        assert mixture["form"] == "looped" and mixture["block_rows"] * k < YNN_REDUCE
+    else:
+        assert mixture["form"] == "batched" and rows // 2 < mixture["block_rows"] <= rows
+        assert mixture["block_rows"] * k * 4 <= ROW_REDUCE_BYTES
+    assert elementwise["form"] == "batched"
     assert elementwise["block_rows"] == balance_blocks(plan_blocks(1_000_000, row_bytes=4)).block_rows
     assert elementwise["block_rows"] > rows
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_few_elements_reduced_within_rows_loop_the_blocks(k):
+    """A ``logsumexp`` over two or three components per row runs one block at a time, in
+    blocks whose reductions read fewer than ``YNN_REDUCE`` elements (XLA:CPU hands
+    larger ones to YNNPACK); blocks the caller fixes loop where they are that small.
+    The value and gradients match the unsplit sum's, and the graph's bits match the
+    host's on two threads."""
+    rng = np.random.default_rng(k)
+    y = jnp.asarray(rng.normal(size=20_000), jnp.float32)
+    mu = jnp.linspace(-1.0, 1.0, k, dtype=jnp.float32)
+    fn = _mixture(k)
+
+    def total(mu, executor, **kw):
+        return pb.reduce_sum(fn, y, mu, executor=executor, **kw)
+
+    f = jax.jit(jax.value_and_grad(total), static_argnums=1)
+    with pb.SerialExecutor() as serial, pb.ThreadExecutor(2, dispatch="host") as host:
+        got, on_host = f(mu, serial), f(mu, host)
+        (site,) = serial.stats()["sites"]
+        pb.reduce_sum(fn, y, mu, executor=serial, block_rows=4096 // k + 64)
+        pb.reduce_sum(fn, y, mu, executor=serial, block_rows=4096 // k - 64)
+        _, large, small = serial.stats()["sites"]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(on_host),
+                                                    jax.tree.leaves(got)))
+    assert site["form"] == "looped" and site["block_rows"] * k < YNN_REDUCE
+    assert (large["form"], small["form"]) == ("batched", "looped")
+    want = jax.value_and_grad(lambda mu: jnp.sum(fn(y, mu)))(mu)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-2)
 
 
 def test_row_reduce_cap_reads_only_reductions_within_rows():

@@ -89,7 +89,7 @@ def test_bitwise_identical_to_serial_under_vmap(executor, make_problem, referenc
     check(problem, executor, GRAINSIZES[grainsize], reference(True), True, assert_identical)
 
 
-@pytest.mark.parametrize("name", ["logistic", "negbin", "hmm", "newton"])
+@pytest.mark.parametrize("name", ["logistic", "negbin", "hmm", "newton", "mixture"])
 def test_bitwise_identical_across_likelihoods(fresh_executor, make_problem, reference,
                                               assert_identical, name):
     problem, executor = make_problem(name, n=N), fresh_executor("thread2-host")
@@ -99,10 +99,11 @@ def test_bitwise_identical_across_likelihoods(fresh_executor, make_problem, refe
 
 
 @pytest.mark.parametrize("name, form", [("hmm", "looped"), ("newton", "batched"),
-                                        ("negbin", "batched")])
+                                        ("negbin", "batched"), ("mixture", "looped")])
 def test_evaluation_form_follows_fn(fresh_executor, make_problem, name, form):
-    """A ``scan`` (whose gradient keeps every step's residuals) runs one block at a time;
-    a ``while_loop`` alone or elementwise work runs as one batch of blocks."""
+    """A ``scan`` (whose gradient keeps every step's residuals) or a reduction of a few
+    elements within each row (a mixture's ``logsumexp``) runs one block at a time; a
+    ``while_loop`` alone or elementwise work runs as one batch of blocks."""
     problem, executor = make_problem(name, n=N), fresh_executor("serial")
     evaluate(problem, executor, None)
     (site,) = executor.stats()["sites"]
