@@ -59,8 +59,9 @@ def default_route(executor, state) -> str:
     evaluated block by block for a ``scan`` (XLA keeps such a body on one core) and the
     host path can split it (two workers, two tiles), else the graph (where XLA threads
     the batched evaluation as it threads plain NumPyro, and the blocks looped for a
-    reduction within rows: two chunk programs of such blocks at once on two threads ran
-    hardly faster than one after the other, a mixture at 200,000 rows).
+    reduction within rows, whose loop body XLA already spreads over the cores: two chunk
+    programs of such blocks at once on two threads ran hardly faster than one after the
+    other).
 
     Fewer tiles than workers still pays: on 16 cores the HMM at 10,000 and 50,000
     sequences (8 and 25 tiles) beat plain on the host and lost in the graph, whose block

@@ -129,10 +129,9 @@ def _row_reduce(jaxpr, rows: int, bytes_: bool = False) -> int:
 
 #: Where ``fn`` reduces within each row and has no ``scan``, the blocks loop if one of
 #: this many rows keeps that reduction under :data:`.blocks.YNN_REDUCE` (see
-#: :func:`detect_form`). jax 0.12 ran a mixture of 2 to 64 components faster looped (down
-#: to blocks of 63 rows); jax 0.10 ran the same looped programs slower from 5 components
-#: on (0.43x-0.92x of plain against 1.05x-1.21x batched), faster at 2 and 3 (Xeon 2,
-#: docs/performance.md, "Reductions within rows").
+#: :func:`detect_form`). jax 0.12 ran every width of mixture tried faster looped, down to
+#: the smallest blocks; jax 0.10 ran the same looped programs slower than the batch from
+#: 5 components on, faster at 2 and 3 (docs/performance.md, "Reductions within rows").
 ROW_REDUCE_LOOP_ROWS = 48 if jax.__version_info__ >= (0, 12) else 1024
 
 
