@@ -135,11 +135,17 @@ def _row_reduce(jaxpr, rows: int, bytes_: bool = False) -> int:
 ROW_REDUCE_LOOP_ROWS = 48 if jax.__version_info__ >= (0, 12) else 1024
 
 
-def form_of(closed, rows: int, fixed: bool) -> tuple[str, bool]:
-    """:func:`detect_form` with ``rows``, and whether a looped form is for a reduction
+def form_of(closed, rows: int | None = None, fixed: bool = False) -> tuple[str, bool]:
+    """The form (see :func:`detect_form`) and whether a looped form is for a reduction
     within rows (where XLA threads a block itself) rather than for a ``scan``."""
-    form = detect_form(closed, rows, fixed)
-    return form, form != detect_form(closed)
+    if _uses(closed.jaxpr, LOOPS):
+        return "looped", False
+    if rows is not None and not _uses(closed.jaxpr, POOL_BLOCKING):
+        per_row = row_reduce_elements(closed, rows)
+        least = max(rows, ROW_REDUCE_LOOP_ROWS) if fixed else ROW_REDUCE_LOOP_ROWS
+        if per_row and least * per_row < YNN_REDUCE:
+            return "looped", True
+    return "batched", False
 
 
 def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
@@ -155,14 +161,7 @@ def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
     (each elementwise step of the ``logsumexp`` and of its gradient), where a looped
     block under the threshold keeps them in XLA's own fused loops (docs/performance.md,
     "Reductions within rows")."""
-    if _uses(closed.jaxpr, LOOPS):
-        return "looped"
-    if rows is not None and not _uses(closed.jaxpr, POOL_BLOCKING):
-        per_row = row_reduce_elements(closed, rows)
-        least = max(rows, ROW_REDUCE_LOOP_ROWS) if fixed else ROW_REDUCE_LOOP_ROWS
-        if per_row and least * per_row < YNN_REDUCE:
-            return "looped"
-    return "batched"
+    return form_of(closed, rows, fixed)[0]
 
 
 def blocks_pool(closed) -> bool:

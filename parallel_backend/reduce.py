@@ -186,7 +186,7 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
                      TilePlan(plan.n_blocks, 1), "batched", str(np.dtype(value_dtype)),
                      bool(x64), label)
     resident_s, traced_s, shared_s = draft.block_struct()
-    block = draft.block_fn()
+    block, rows = draft.block_fn(), draft.plan.block_rows
 
     def trace(rows):  # fn on a block of ``rows`` rows
         return jax.make_jaxpr(block)(*draft._replace(plan=BlockPlan(rows, rows, 1, 0))
@@ -194,12 +194,12 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
 
     with jax.enable_x64(x64):
         closed = jax.make_jaxpr(block)(resident_s, traced_s, shared_s)
-        rows = draft.plan.block_rows
         form, row_loop = form_of(closed, rows, fixed=not balance)
         if form == "batched" and not _batchable(block, resident_s, traced_s, shared_s):
             form = "looped"
         if balance and form == "looped":
-            per_row = scan_reduce_per_row(closed, rows, trace) or row_reduce_elements(closed, rows)
+            per_row = (row_reduce_elements(closed, rows) if row_loop
+                       else scan_reduce_per_row(closed, rows, trace))
             plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize, per_row)
     if balance and form == "batched":  # smaller blocks where fn reduces within rows
         cap = row_reduce_cap(closed, rows)

@@ -16,6 +16,7 @@ from numpyro.diagnostics import effective_sample_size
 from numpyro.infer import MCMC, NUTS
 
 import parallel_backend as pb
+from parallel_backend.blocks import YNN_REDUCE
 
 N = 3000
 MEANS = np.array([-3.0, 0.0, 3.0])
@@ -75,7 +76,7 @@ def draws():
 def test_the_mixture_loops_its_blocks_and_stays_in_the_graph(draws):
     for name in ("serial", "thread", "thread-host"):
         site = draws[name + "-site"]
-        assert site["form"] == "looped" and site["block_rows"] * 3 < 4096, site
+        assert site["form"] == "looped" and site["block_rows"] * 3 < YNN_REDUCE, site
     assert draws["thread-site"]["dispatch"] == "graph"
     assert draws["thread-host-site"]["dispatch"] == "host"
 

@@ -214,8 +214,8 @@ def test_a_few_elements_reduced_within_rows_loop_the_blocks(k):
     mu = jnp.linspace(-1.0, 1.0, k, dtype=jnp.float32)
     fn = _mixture(k)
 
-    def total(mu, executor, **kw):
-        return pb.reduce_sum(fn, y, mu, executor=executor, **kw)
+    def total(mu, executor):
+        return pb.reduce_sum(fn, y, mu, executor=executor)
 
     f = jax.jit(jax.value_and_grad(total), static_argnums=1)
     with pb.SerialExecutor() as serial, pb.ThreadExecutor(2, dispatch="host") as host:
