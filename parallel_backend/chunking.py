@@ -14,7 +14,6 @@ changes only speed, so the chunker is free to adapt while a sampler runs.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 from typing import NamedTuple
 
@@ -122,19 +121,18 @@ def fixed_chunks(plan: BlockPlan, grainsize: int, tiles: TilePlan | None = None)
     return split_tiles(tiles, per)
 
 
-def _pow2_floor(x: float) -> int:
-    return 1 << max(0, math.floor(math.log2(max(x, 1.0))))
-
-
 class AdaptiveChunker:
-    """Picks tiles per chunk from measured costs, like TBB's auto-partitioner.
+    """Picks how many chunks a call makes from measured costs, like TBB's
+    auto-partitioner.
 
-    It starts with a few chunks per worker, then, from the measured time per tile
-    and per-task overhead, chooses the largest power-of-two chunk that still gives
-    each worker ``chunks_per_worker`` chunks, but never so small that task overhead
-    exceeds ``max_overhead`` of the work. Powers of two keep the number of distinct
-    compiled chunk shapes to a handful. It settles (stops changing) after
-    ``settle_after`` measured calls.
+    Chunks are even runs of whole tiles (:func:`even_slots`: their tile counts differ
+    by at most one) and their number is a multiple of the workers, so every worker
+    gets the same work: ``chunks_per_worker`` chunks each, or fewer, larger ones where
+    task overhead would otherwise exceed ``max_overhead`` of a chunk's work (one per
+    worker at least). Chunks of unequal size leave a worker idle at the end of every
+    call while the other finishes. An even split into ``m`` chunks has at most two
+    chunk shapes, so the compiled chunk shapes stay a handful. It settles (stops
+    changing) after ``settle_after`` measured calls.
 
     Parameters
     ----------
@@ -149,6 +147,13 @@ class AdaptiveChunker:
         Measured calls after which the choice is frozen.
     tiles : TilePlan, optional
         The tiles chunks are made of; default: every block a tile.
+
+    Examples
+    --------
+    >>> from parallel_backend.blocks import plan_blocks
+    >>> chunker = AdaptiveChunker(plan_blocks(800 * 250, block_rows=250), workers=2)
+    >>> [c.count for c in chunker.chunks()]
+    [200, 200, 200, 200]
     """
 
     def __init__(self, plan: BlockPlan, workers: int, *, chunks_per_worker: int = 2,
@@ -157,15 +162,14 @@ class AdaptiveChunker:
         self.plan = plan
         self.tiles = tiles or TilePlan(plan.n_blocks, 1)
         self.workers = max(1, int(workers))
-        self.chunks_per_worker = chunks_per_worker
+        self.chunks_per_worker = max(1, int(chunks_per_worker))
         self.max_overhead = max_overhead
         self.settle_after = settle_after
         self._lock = threading.Lock()
         self._block_seconds: list[float] = []
         self._overhead_seconds: list[float] = []
-        self._plans: dict = {}  # tiles per chunk -> chunks
-        target = self.tiles.n_tiles / (self.workers * chunks_per_worker)
-        self._tiles_per_chunk = _pow2_floor(target)
+        self._plans: dict = {}  # number of chunks -> chunks
+        self._parts = min(self.tiles.n_tiles, self.workers * self.chunks_per_worker)
 
     @property
     def settled(self) -> bool:
@@ -173,22 +177,27 @@ class AdaptiveChunker:
         return len(self._block_seconds) >= self.settle_after
 
     @property
+    def parts(self) -> int:
+        """The current choice: chunks per call."""
+        return self._parts
+
+    @property
     def tiles_per_chunk(self) -> int:
-        """The current choice."""
-        return self._tiles_per_chunk
+        """Tiles in the largest chunk of the current choice."""
+        return -(-self.tiles.n_tiles // self._parts)
 
     @property
     def blocks_per_chunk(self) -> int:
-        """The current choice in blocks (the last chunk may hold a few more)."""
-        return self._tiles_per_chunk * self.tiles.tile_blocks
+        """Blocks in the largest chunk of the current choice."""
+        return max(c.count for c in self.chunks())
 
     def chunks(self) -> list[Chunk]:
         """The chunk plan for the next call (each plan made once: a settled chunker
         hands out the same list at every evaluation)."""
-        k = self._tiles_per_chunk
+        k = self._parts
         plan = self._plans.get(k)
         if plan is None:
-            plan = self._plans[k] = split_tiles(self.tiles, k)
+            plan = self._plans[k] = even_slots(self.tiles, k)
         return plan
 
     def record(self, blocks: int, compute_seconds: float, overhead_seconds: float) -> None:
@@ -200,20 +209,21 @@ class AdaptiveChunker:
                 return
             self._block_seconds.append(compute_seconds / blocks)
             self._overhead_seconds.append(max(overhead_seconds, 0.0))
-            self._tiles_per_chunk = self._choose()
+            self._parts = self._choose()
 
     def _choose(self) -> int:
         per_tile = sorted(self._block_seconds)[len(self._block_seconds) // 2] * self.tiles.tile_blocks
         overhead = sorted(self._overhead_seconds)[len(self._overhead_seconds) // 2]
-        n = self.tiles.n_tiles
-        balanced = n / (self.workers * self.chunks_per_worker)
+        n, w = self.tiles.n_tiles, self.workers
+        parts = w * self.chunks_per_worker
         # Fewest tiles for which overhead stays a small share of a chunk's work.
         needed = overhead / max(per_tile * self.max_overhead, 1e-12)
-        if needed > balanced:
-            # Overhead dominates: fewer, larger chunks (one per worker at most).
-            balanced = max(needed, n / self.workers)
-        return min(_pow2_floor(balanced), _pow2_floor(n))
+        if needed * parts > n:
+            # Overhead dominates: fewer, larger chunks, still the same number per worker
+            # (one per worker at least).
+            parts = max(w, int(n / needed) // w * w)
+        return max(1, min(parts, n))
 
     def __repr__(self) -> str:
         return (f"AdaptiveChunker(tiles={self.tiles.n_tiles}, workers={self.workers}, "
-                f"tiles_per_chunk={self._tiles_per_chunk}, settled={self.settled})")
+                f"chunks={self._parts}, settled={self.settled})")

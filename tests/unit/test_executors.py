@@ -321,24 +321,40 @@ def test_changing_chunk_plan_reuses_compiled_shapes(executor, x):
 # -- the adaptive chunker --------------------------------------------------------------------
 
 
-def test_adaptive_chunker_settles_on_a_power_of_two():
-    plan = plan_blocks(64 * 100, block_rows=100)
+def _even(chunks) -> bool:
+    sizes = [c.count for c in chunks]
+    return max(sizes) - min(sizes) <= 1
+
+
+def test_adaptive_chunker_settles_on_even_chunks_per_worker():
+    plan = plan_blocks(66 * 100, block_rows=100)  # 66 blocks: no multiple of 4 workers
     chunker = AdaptiveChunker(plan, workers=4)
     assert not chunker.settled
     first = chunker.chunks()
     assert sum(c.count for c in first) == plan.n_blocks
-    seen = {chunker.blocks_per_chunk}
-    # Cheap overhead, 1 ms per block: the chunker keeps chunks small for balance.
+    assert len(first) == 8 and _even(first)
+    seen = {chunker.parts}
+    # Cheap overhead, 1 ms per block: the chunker keeps two chunks per worker.
     for _ in range(10):
         chunker.record(4, compute_seconds=4e-3, overhead_seconds=1e-5)
-        seen.add(chunker.blocks_per_chunk)
+        seen.add(chunker.parts)
     assert chunker.settled
-    k = chunker.blocks_per_chunk
-    assert k & (k - 1) == 0 and 1 <= k <= plan.n_blocks
-    assert plan.n_blocks / k >= 4  # at least one chunk per worker
-    assert len(seen) <= 3
+    k = chunker.parts
+    assert k == 8 and _even(chunker.chunks()) and len(seen) == 1
+    assert chunker.blocks_per_chunk == 9  # 66 blocks in 8 chunks: 8 or 9 blocks each
     chunker.record(1, compute_seconds=10.0, overhead_seconds=10.0)  # ignored once settled
-    assert chunker.blocks_per_chunk == k
+    assert chunker.parts == k
+
+
+def test_adaptive_chunks_leave_no_worker_idle():
+    """800 blocks on 2 workers: every worker gets the same blocks (the largest power of
+    two that gave two chunks per worker was 128, and the chunks 128, ..., 128, 32 left a
+    worker idle for a quarter of every call)."""
+    chunker = AdaptiveChunker(plan_blocks(800 * 250, block_rows=250), workers=2)
+    for _ in range(4):
+        chunker.record(200, compute_seconds=0.5, overhead_seconds=1e-4)
+    chunks = chunker.chunks()
+    assert [c.count for c in chunks] == [200] * 4
 
 
 def test_adaptive_chunker_grows_chunks_when_overhead_dominates():
@@ -350,6 +366,7 @@ def test_adaptive_chunker_grows_chunks_when_overhead_dominates():
         costly.record(1, compute_seconds=1e-5, overhead_seconds=1e-3)
     assert costly.blocks_per_chunk > cheap.blocks_per_chunk
     assert costly.blocks_per_chunk <= plan.n_blocks
+    assert costly.parts == 4 and _even(costly.chunks())  # one chunk per worker at least
 
 
 @pytest.mark.parametrize("executor", ["thread2-host"], indirect=True)
