@@ -31,6 +31,7 @@ from jax import lax
 
 from .internals import CALLS, ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun, jaxprs_in_params
 from .internals import HOST_CODE as _HOST_CODE
+from .traced import computes
 
 __all__ = ["Split", "calls_fn", "conditions", "constant_conditions", "known_function", "part",
            "split_known", "unknown_function"]
@@ -315,16 +316,31 @@ def constant_conditions(closed, n_resident: int, blocks, found=None) -> tuple:
     return tuple(out)
 
 
-def calls_fn(spec, resident, raw):
+def calls_fn(spec, resident, raw, closed=None):
     """``f(raw, residuals, traced, shared) -> pointwise``: ``fn`` on one block, for a site
     with nothing hoisted. Only the resident leaves ``fn`` reads are kept (``raw``); the
-    others are zeros of their shape, which ``fn`` never reads."""
+    others are zeros of their shape, which ``fn`` never reads.
+
+    ``closed`` is ``fn``'s jaxpr on one block as the site's key describes it (checked
+    against ``spec.computes`` when the site's program was made). A chunk shape compiled
+    later traces ``fn`` again, and what ``fn`` reads besides its arguments may have
+    changed since in this process: on a dask worker, a class sent by value with another
+    site's ``fn`` is the same class object there, its attributes set to the other
+    site's. Each such trace compares what ``fn`` computes now with the key, and where
+    they differ it evaluates ``closed``, what the site computed when it was made, instead
+    of returning another site's number."""
     block = spec.block_fn()
+    frozen = jaxpr_as_fun(closed) if closed is not None and spec.computes else None
 
     def unknown(raw_leaves, residuals, traced, shared):
         leaves = [jnp.zeros(r.shape, r.dtype) for r in resident]
         for k, x in zip(raw, raw_leaves):
             leaves[k] = x
+        # A new function to trace: JAX keeps the trace of one it traced before.
+        if frozen is not None and computes(jax.make_jaxpr(spec.block_fn())(
+                *spec.block_struct())) != spec.computes:
+            (out,) = frozen(*leaves, *traced, *shared)
+            return out
         return block(leaves, traced, shared)
 
     return unknown

@@ -150,7 +150,7 @@ class Program:
             self._known = known_function(self.split)
             self._unknown = unknown_function(self.split)
         else:  # nothing computed once: every block calls the user's function itself
-            self._unknown = calls_fn(spec, resident, self.split.raw)
+            self._unknown = calls_fn(spec, resident, self.split.raw, closed)
         plan = spec.plan
         valid = np.full(plan.n_blocks, plan.block_rows, np.int32)
         if plan.n_blocks:

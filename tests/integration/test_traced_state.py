@@ -187,3 +187,34 @@ def test_a_worker_that_computes_something_else_says_so(tmp_path, monkeypatch, as
             fresh(mod.loglik, ex, x)(0.3)
         mod.K = 1.0  # as in the file: the same cluster computes it
         assert_close(fresh(mod.loglik, ex, x)(0.3), plain(mod.loglik, x)(0.3), RTOL)
+
+
+@pytest.mark.parametrize("case", ["class attribute", "module attribute"])
+def test_a_chunk_shape_compiled_after_another_site_computes_the_first(case, executor,
+                                                                         assert_close,
+                                                                         assert_identical):
+    """A chunk shape compiled later traces ``fn`` again. On a dask worker a class sent by
+    value with the second site's ``fn`` is the first site's class object too, its
+    attribute set to the second's: a new shape of the first site, compiled there after
+    the second site arrived, returned the second site's value and gradient (the third
+    fit of the test above, where the adaptive chunker had moved). The grainsize forces
+    the new shape here."""
+    fn, set_value = CASES[case]
+    x = rows()
+
+    def fit(grainsize):
+        return jax.jit(jax.value_and_grad(lambda mu: pb.reduce_sum(
+            fn, x, mu, executor=executor, block_rows=BLOCK_ROWS, grainsize=grainsize)))(0.3)
+
+    try:
+        set_value(1.0)
+        first = fit(2 * BLOCK_ROWS)
+        set_value(3.0)
+        fit(2 * BLOCK_ROWS)
+        set_value(1.0)
+        again = fit(3 * BLOCK_ROWS)  # the first site, a chunk shape it never compiled
+        assert len(executor.sites()) == 2
+        assert_identical(again, first)  # chunking never changes a bit
+        assert_close(again, plain(fn, x)(0.3), RTOL)
+    finally:
+        set_value(1.0)
