@@ -34,7 +34,7 @@ from .internals import HOST_CODE as _HOST_CODE
 from .traced import computes
 
 __all__ = ["Split", "calls_fn", "conditions", "constant_conditions", "known_function", "part",
-           "split_known", "unknown_function"]
+           "split_known", "traced_block", "unknown_function"]
 
 #: Primitives not worth a stored residual on their own: data movement and arithmetic
 #: that costs about as much as reading its result back from memory.
@@ -316,6 +316,13 @@ def constant_conditions(closed, n_resident: int, blocks, found=None) -> tuple:
     return tuple(out)
 
 
+def traced_block(spec):
+    """``fn``'s jaxpr on one block of ``spec``, traced now: a new function each time, as
+    JAX keeps the trace of a function it traced before (and would answer with what
+    ``fn`` computed then)."""
+    return jax.make_jaxpr(spec.block_fn())(*spec.block_struct())
+
+
 def calls_fn(spec, resident, raw, closed=None):
     """``f(raw, residuals, traced, shared) -> pointwise``: ``fn`` on one block, for a site
     with nothing hoisted. Only the resident leaves ``fn`` reads are kept (``raw``); the
@@ -336,9 +343,7 @@ def calls_fn(spec, resident, raw, closed=None):
         leaves = [jnp.zeros(r.shape, r.dtype) for r in resident]
         for k, x in zip(raw, raw_leaves):
             leaves[k] = x
-        # A new function to trace: JAX keeps the trace of one it traced before.
-        if frozen is not None and computes(jax.make_jaxpr(spec.block_fn())(
-                *spec.block_struct())) != spec.computes:
+        if frozen is not None and computes(traced_block(spec)) != spec.computes:
             (out,) = frozen(*leaves, *traced, *shared)
             return out
         return block(leaves, traced, shared)

@@ -188,8 +188,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
     resident_s, traced_s, shared_s = draft.block_struct()
     block, rows = draft.block_fn(), draft.plan.block_rows
 
-    def trace(rows):  # fn on a block of ``rows`` rows
-        return jax.make_jaxpr(block)(*draft._replace(plan=BlockPlan(rows, rows, 1, 0))
+    def trace(n):  # fn on a block of ``n`` rows
+        return jax.make_jaxpr(block)(*draft._replace(plan=BlockPlan(n, n, 1, 0))
                                      .block_struct())
 
     with jax.enable_x64(x64):

@@ -28,7 +28,7 @@ from jax import lax
 from .blocks import BlockPlan, TilePlan
 from .errors import TracedElsewhere
 from .forms import blocks_pool, hide_values, index_leaves
-from .hoist import Split, calls_fn, known_function, split_known, unknown_function
+from .hoist import Split, calls_fn, known_function, split_known, traced_block, unknown_function
 from .identity import owned
 from .second_order import kept, merge
 from .sets import over_blocks, unblock
@@ -135,9 +135,9 @@ class Program:
 
     def __init__(self, spec: SiteSpec):
         self.spec = spec
-        resident, traced, shared = spec.block_struct()
+        resident, traced, _ = spec.block_struct()
         with jax.enable_x64(spec.x64):
-            closed = jax.make_jaxpr(spec.block_fn())(resident, traced, shared)
+            closed = traced_block(spec)
             if spec.computes and computes(closed) != spec.computes:
                 raise TracedElsewhere(spec.label)
         self.split: Split = split_known(closed, len(resident), len(traced), spec.constants)
