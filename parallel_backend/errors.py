@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["ChunkError", "TracedElsewhere", "check_count"]
+__all__ = ["ChunkError", "InFlightLimit", "TracedElsewhere", "check_count"]
 
 
 def check_count(value, name: str, where: str, *, least: int = 1, none_ok: bool = False,
@@ -88,3 +88,18 @@ class TracedElsewhere(RuntimeError):
             "traced: it reads state that differs between the two (a module's attribute "
             "changed after import, a file edited since, another JAX version). Pass such "
             "values to reduce_sum as arguments.")
+
+
+class InFlightLimit(RuntimeError):
+    """A host-route evaluation's chunk programs cannot start: every place XLA's device
+    keeps for programs in flight is held by programs that wait for this evaluation's
+    result (operations queued on it before it was ready). Waiting would never end."""
+
+    def __init__(self, label: str, seconds: float):
+        super().__init__(
+            f"reduce_sum: {label}: no chunk finished for {seconds:.0f} s and XLA's device "
+            "could not start a program: every place it keeps for programs in flight is "
+            "held by programs waiting on this result (operations queued on it before it "
+            "was ready). Wait for a result (jax.block_until_ready) before queuing many "
+            "operations on it, or set jax_cpu_enable_async_dispatch to False before JAX "
+            "starts.")

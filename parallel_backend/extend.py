@@ -27,13 +27,18 @@ Elsewhere, ``Program(spec)`` rebuilds the block computations from a spec,
 chunk, evaluation)`` runs a chunk on them. Every result must come from ``run_task`` (or
 ``run_chunk``) on the same prepared data: that is what keeps results bitwise the same on
 every executor.
+
+An executor that runs tasks on threads of this process waits for them with
+``gather(futures, devices, label)``: where the chunk programs cannot start because XLA's
+device has no place left for programs in flight, it raises ``InFlightLimit`` instead of
+waiting forever.
 """
 
 from .blocks import BlockPlan, TilePlan, cpu_count, row_bytes, xla_threads
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
 from .dispatch import GRAPH, HOST, Choice, Slots, carried, choose
-from .errors import ChunkError, check_count
-from .executors.base import Executor, site_stats
+from .errors import ChunkError, InFlightLimit, check_count
+from .executors.base import Executor, gather, site_stats
 from .executors.registry import resolve_executor
 from .internals import is_tracer
 from .sets import unblock
@@ -63,6 +68,7 @@ __all__ = [
     "ChunkResult",
     "Evaluation",
     "Executor",
+    "InFlightLimit",
     "Program",
     "Resident",
     "SiteSpec",
@@ -78,6 +84,7 @@ __all__ = [
     "cpu_count",
     "even_slots",
     "fence",
+    "gather",
     "host_device",
     "is_tracer",
     "pad_blocks",

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..blocks import cpu_count
 from ..errors import check_count
 from ..tasks import run_task
-from .base import Executor
+from .base import Executor, gather
 
 __all__ = ["ThreadExecutor"]
 
@@ -68,11 +68,17 @@ class ThreadExecutor(Executor):
             return self._pool
 
     def run_tasks(self, tasks) -> list:
-        if len(tasks) == 1 or self._workers == 1:
-            return [run_task(t) for t in tasks]
+        # Every task on the pool, one alone too: the thread that waits for them watches
+        # that they can start (gather), which it could not do for a task it ran itself.
+        if not tasks:
+            return []
         pool = self._get_pool()
         futures = [pool.submit(run_task, t) for t in tasks]
-        return [f.result() for f in futures]
+        return gather(futures, [t.resident.device for t in tasks], tasks[0].program.spec.label)
+
+    def submit(self, func, *args):
+        """``func(*args)`` on one of the pool's threads: a ``concurrent.futures.Future``."""
+        return self._get_pool().submit(func, *args)
 
     def map(self, func, items) -> list:
         items = list(items)

@@ -38,6 +38,7 @@ from parallel_backend.extend import (
     chunks_within,
     even_slots,
     fence,
+    gather,
     is_tracer,
     pad_blocks,
     run_eagerly,
@@ -203,8 +204,11 @@ class DeviceExecutor(Executor):
             return [run_task(Task(state, program, share.resident, c, evaluation))
                     for c in chunks_within(tiles, share.chunk, per)]
 
-        # One thread per device, each running its device's chunks in order.
-        return [r for results in self._threads.map(run, shares) for r in results]
+        # One thread per device, each running its device's chunks in order; gather watches
+        # that they can start (the caller's device keeps a share on CPU devices).
+        futures = [self._threads.submit(run, share) for share in shares]
+        results = gather(futures, [share.device for share in shares], state.spec.label)
+        return [r for per in results for r in per]
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
         # Shared parameters go to every busy device once; per-row parameters are split.

@@ -54,3 +54,48 @@ def test_a_second_fit_in_the_same_process_finishes():
     assert done.returncode == 0, done.stderr[-3000:]
     assert [line.split()[0] for line in done.stdout.splitlines()] == ["mixture_200k", "hmm_1k"]
 
+
+
+QUEUED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    import parallel_backend as pb
+    from parallel_backend.executors import base
+    from benchmarks.likelihoods import LIKELIHOODS
+
+    base.STALL_SECONDS, base.PROBE_SECONDS = float(STALL), 2.0
+    fn, data, params = LIKELIHOODS["hmm_1k"][0](1_000, np.float32)
+    x = jnp.ones(1_000_000, np.float32)
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 100, lambda i, x: jnp.sin(x) + 0.5, x)
+                   .sum() * 0.0)
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        f = jax.jit(lambda *q: pb.reduce_sum(fn, data, *q, executor=ex))
+        want = np.float32(f(*params))
+        for _ in range(40):
+            want = want + np.float32(1)
+        v = f(*[q + slow(x) for q in params])  # its parameters still being computed
+        outs = []
+        for _ in range(40):  # queued on v before it is ready: every slot of XLA's device
+            v = v + 1.0
+            outs.append(v)
+        try:
+            print("value", float(outs[-1]) == float(want), flush=True)
+        except Exception as e:
+            print("error", "InFlightLimit" in str(e), flush=True)
+        v = f(*params)  # the executor and the device still work afterwards
+        print("after", float(v) + 40 == float(want), flush=True)
+""")
+
+
+def test_operations_queued_on_a_pending_result_end_in_an_error_not_a_hang():
+    """The caller's program waits for its parameters; 40 operations queued on its result
+    take every place XLA's CPU device keeps for programs in flight, so the chunk programs
+    its host callback waits for could never start (it hung on both stacks here). The
+    callback sees that no chunk finishes and no program can start, and raises
+    ``InFlightLimit``: an error within seconds, the right value where XLA admitted the
+    chunks after all, and the executor works afterwards."""
+    done = subprocess.run([sys.executable, "-c", "STALL = 0.5\n" + QUEUED], cwd=ROOT,
+                          capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split()
+    assert lines in (["error", "True", "after", "True"], ["value", "True", "after", "True"]), \
+        done.stdout + done.stderr[-3000:]

@@ -464,3 +464,20 @@ def test_lapack_likelihood_on_every_thread_does_not_hang(n, block_rows):
                          text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_gather_waits_for_slow_chunks_while_the_device_can_start_programs(monkeypatch):
+    """``gather`` checks whether XLA's device can start a program only after no task
+    finished for ``STALL_SECONDS``; a task that is merely slow (the device free) is waited
+    for, however long, and the results come in task order."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from parallel_backend.executors import base
+
+    monkeypatch.setattr(base, "STALL_SECONDS", 0.1)
+    monkeypatch.setattr(base, "PROBE_SECONDS", 0.5)
+    device = jax.devices("cpu")[0]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(lambda s=s: (time.sleep(s), s)[1]) for s in (1.2, 0.0, 0.6)]
+        assert base.gather(futures, [device] * 3, "slow") == [1.2, 0.0, 0.6]
