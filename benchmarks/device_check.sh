@@ -11,7 +11,8 @@
 set -u
 OUT=${1:-/tmp/out}
 PARTS=${PARTS:-"env gpu gpubench cpu scaling hosts"}
-# also: "trust" (the hang and traced-state tests on 16 cores), "nuts" (NUTS end to end),
+# also: "hang" (benchmarks/inflight.py: operations queued on a host-route result),
+# "rowcores" (benchmarks/row_forms.py on 2, 4, 8 and 16 cores), "trust" (the hang and traced-state tests on 16 cores), "nuts" (NUTS end to end),
 # "demo" (`parallel-backend demo` on 16 cores; .whl needs arviz 1.3 and its parts)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -46,8 +47,15 @@ part scaling 80 env JAX_PLATFORMS=cpu python3 -m benchmarks scaling --likelihood
   --workers 1,4,16 --rounds 2 --machine "$M" --out "$OUT/scaling.jsonl"
 part hosts 130 env JAX_PLATFORMS=cpu python3 -m benchmarks.netcluster.bench hosts \
   --hosts 1,2,4,8 --sequences 4000 --block 250 --calls 20 --budget 3 --out "$OUT/hosts.jsonl"
-part trust 120 env JAX_PLATFORMS=cpu python3 -m pytest -p no:cacheprovider -n 0 -q \
-  tests/integration/test_no_hang.py tests/integration/test_traced_state.py
+part hang 200 bash -c 'for v in "hmm_1k 40 --no-fit --pending" "hmm_10k 200 --no-fit --pending" \
+  "hmm_1k 40 --pending" "hmm_1k 40"; do
+  timeout -s KILL 50 env JAX_PLATFORMS=cpu python3 -m benchmarks.inflight $v --limit 40 2>&1 |
+    grep -E "^hmm|done|InFlightLimit|Timeout"; echo "rc=${PIPESTATUS[0]}"; done'
+part rowcores 200 bash -c 'for c in 1 3 7 15; do
+  JAX_PLATFORMS=cpu taskset -c 0-$c python3 -m benchmarks.row_forms mixture_200k,mixture:1000000; done'
+part trust 240 env JAX_PLATFORMS=cpu python3 -m pytest -p no:cacheprovider -n 4 -q \
+  tests/integration/test_no_hang.py tests/integration/test_traced_state.py \
+  tests/integration/test_row_loops.py tests/unit/test_blocks.py tests/unit/test_reproducible.py
 part nuts 200 env JAX_PLATFORMS=cpu python3 -m benchmarks nuts \
   --likelihoods hmm:50000,mixture:200000 --variants thread --repeats 1 --warmup 20 \
   --samples 20 --max-tree-depth 4 --machine "$M" --out "$OUT/nuts.jsonl"

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .blocks import YNN_REDUCE
+from .blocks import YNN_REDUCE, xla_threads
 from .internals import CALLS, LAPACK, SCAN, Literal, jaxprs_in_params
 
 __all__ = ["FORMS", "blocks_pool", "detect_form", "form_of", "hide_values", "index_leaves",
@@ -134,13 +134,21 @@ def _row_reduce(jaxpr, rows: int, bytes_: bool = False) -> int:
 #: 5 components on, faster at 2 and 3 (docs/performance.md, "Reductions within rows").
 ROW_REDUCE_LOOP_ROWS = 48 if jax.__version_info__ >= (0, 12) else 1024
 
+#: Reductions within rows loop their blocks only where XLA's CPU pool has at most this
+#: many threads: a looped block keeps its reduction on a core or two, where plain's
+#: program and the batched form spread theirs over every core, and from four cores on
+#: the batch ran faster at every size measured (docs/performance.md, "Reductions within
+#: rows on many cores").
+ROW_REDUCE_LOOP_THREADS = 2
+
 
 def form_of(closed, rows: int | None = None, fixed: bool = False) -> tuple[str, bool]:
     """The form (see :func:`detect_form`) and whether a looped form is for a reduction
     within rows (where XLA threads a block itself) rather than for a ``scan``."""
     if _uses(closed.jaxpr, LOOPS):
         return "looped", False
-    if rows is not None and not _uses(closed.jaxpr, POOL_BLOCKING):
+    if rows is not None and xla_threads() <= ROW_REDUCE_LOOP_THREADS and \
+            not _uses(closed.jaxpr, POOL_BLOCKING):
         per_row = row_reduce_elements(closed, rows)
         least = max(rows, ROW_REDUCE_LOOP_ROWS) if fixed else ROW_REDUCE_LOOP_ROWS
         if per_row and least * per_row < YNN_REDUCE:
@@ -153,8 +161,9 @@ def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
     was traced on), also where ``fn`` reduces within each row (a mixture's
     ``logsumexp``) so few elements that a looped block keeps that reduction under
     :data:`.blocks.YNN_REDUCE`: a block of :data:`ROW_REDUCE_LOOP_ROWS` rows, or of
-    ``rows`` where the blocks are ``fixed`` (given by the caller) and larger; else
-    ``"batched"``.
+    ``rows`` where the blocks are ``fixed`` (given by the caller) and larger, on a
+    machine where XLA's CPU pool has at most :data:`ROW_REDUCE_LOOP_THREADS` threads;
+    else ``"batched"``.
 
     A batched evaluation reduces within the rows of all its blocks at once: XLA:CPU
     hands that reduction to YNNPACK, whose operands it must first write out in full

@@ -82,6 +82,18 @@ def _no_leaked_global_state():
     pb.set_default_executor(None)
 
 
+@pytest.fixture(scope="module")
+def row_loops():
+    """Reductions within rows loop their blocks on any machine for the tests of one
+    module: the rule loops them only where XLA has few threads
+    (``forms.ROW_REDUCE_LOOP_THREADS``), and these tests are of the looped form."""
+    from parallel_backend import forms
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forms, "ROW_REDUCE_LOOP_THREADS", 1 << 20)
+        yield
+
+
 # -- executors -------------------------------------------------------------------------
 
 

@@ -61,7 +61,7 @@ def run(model, y, executor=None):
 
 
 @pytest.fixture(scope="module")
-def draws():
+def draws(row_loops):
     y = make_data()
     out = {"plain": run(plain_model, y)}
     with pb.SerialExecutor() as serial, pb.ThreadExecutor(2) as auto, \

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
+from parallel_backend import forms
 from parallel_backend.blocks import (
     MIN_BLOCK_ROWS,
     MIN_BLOCKS,
@@ -20,9 +21,15 @@ from parallel_backend.blocks import (
     balance_blocks,
     plan_blocks,
     tree_sum,
+    xla_threads,
 )
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
-from parallel_backend.forms import ROW_REDUCE_BYTES, ROW_REDUCE_LOOP_ROWS, row_reduce_cap
+from parallel_backend.forms import (
+    ROW_REDUCE_BYTES,
+    ROW_REDUCE_LOOP_ROWS,
+    ROW_REDUCE_LOOP_THREADS,
+    row_reduce_cap,
+)
 
 # -- plan_blocks ---------------------------------------------------------------------------
 
@@ -192,7 +199,7 @@ def test_a_reduction_within_rows_caps_or_loops_the_blocks(k, rows):
         pb.reduce_sum(_mixture(k), y, mu, executor=ex)
         pb.reduce_sum(lambda y, mu: -0.5 * (y - mu[0]) ** 2, y, mu, executor=ex)
         mixture, elementwise = ex.stats()["sites"]
-    if ROW_REDUCE_LOOP_ROWS * k < YNN_REDUCE:
+    if ROW_REDUCE_LOOP_ROWS * k < YNN_REDUCE and xla_threads() <= ROW_REDUCE_LOOP_THREADS:
         assert mixture["form"] == "looped" and mixture["block_rows"] * k < YNN_REDUCE
     else:
         assert mixture["form"] == "batched" and rows // 2 < mixture["block_rows"] <= rows
@@ -203,12 +210,13 @@ def test_a_reduction_within_rows_caps_or_loops_the_blocks(k, rows):
 
 
 @pytest.mark.parametrize("k", [2, 3])
-def test_a_few_elements_reduced_within_rows_loop_the_blocks(k):
+def test_a_few_elements_reduced_within_rows_loop_the_blocks(k, monkeypatch):
     """A ``logsumexp`` over two or three components per row runs one block at a time, in
     blocks whose reductions read fewer than ``YNN_REDUCE`` elements (XLA:CPU hands
     larger ones to YNNPACK); blocks the caller fixes loop where they are that small.
     The value and gradients match the unsplit sum's, and the graph's bits match the
     host's on two threads."""
+    monkeypatch.setattr(forms, "ROW_REDUCE_LOOP_THREADS", 1 << 20)  # on any machine
     rng = np.random.default_rng(k)
     y = jnp.asarray(rng.normal(size=20_000), jnp.float32)
     mu = jnp.linspace(-1.0, 1.0, k, dtype=jnp.float32)
@@ -228,6 +236,29 @@ def test_a_few_elements_reduced_within_rows_loop_the_blocks(k):
                                                     jax.tree.leaves(got)))
     assert site["form"] == "looped" and site["block_rows"] * k < YNN_REDUCE
     assert (large["form"], small["form"]) == ("batched", "looped")
+    want = jax.value_and_grad(lambda mu: jnp.sum(fn(y, mu)))(mu)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-2)
+
+
+def test_on_more_threads_a_reduction_within_rows_stays_batched(monkeypatch):
+    """Where XLA has more threads than ``ROW_REDUCE_LOOP_THREADS`` (here: a limit under
+    this machine's), the mixture's blocks stay one batch, which spreads the reduction
+    over every thread as plain's program does; value and gradients still match the
+    unsplit sum's, and the graph's bits the host's on two threads."""
+    monkeypatch.setattr(forms, "ROW_REDUCE_LOOP_THREADS", xla_threads() - 1)
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.normal(size=20_000), jnp.float32)
+    mu = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    fn = _mixture(3)
+    f = jax.jit(jax.value_and_grad(lambda mu, ex: pb.reduce_sum(fn, y, mu, executor=ex)),
+                static_argnums=1)
+    with pb.SerialExecutor() as serial, pb.ThreadExecutor(2, dispatch="host") as host:
+        got, on_host = f(mu, serial), f(mu, host)
+        (site,) = serial.stats()["sites"]
+    assert site["form"] == "batched"
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(on_host),
+                                                    jax.tree.leaves(got)))
     want = jax.value_and_grad(lambda mu: jnp.sum(fn(y, mu)))(mu)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-2)
