@@ -1,8 +1,9 @@
 """A site under ``vmap`` (vectorized chains): how a batch of parameter sets is evaluated.
 
-This module owns :func:`set_batching`, the ``custom_vmap`` that decides it: a looped
-site (``fn`` holds a ``scan``; see :mod:`.forms`) evaluates one parameter set at a
-time; a batched site evaluates the whole batch with the sets inside its blocks (see
+This module owns :func:`set_batching`, the ``custom_vmap`` that decides it: a site whose
+spec says ``sets="each"`` (a looped site, whose ``fn`` holds a ``scan``, and on jax
+before 0.12 a wide regression; see :func:`.forms.sets_form`) evaluates one parameter set
+at a time; any other evaluates the whole batch with the sets inside its blocks (see
 :mod:`.sets`), on every route. Imports jax only.
 """
 
@@ -20,30 +21,31 @@ from .sets import nest_sets
 __all__ = ["set_batching"]
 
 
-def set_batching(routed, host, graph, counted, route, form):
-    """The partials of a site that, under ``vmap`` (vectorized chains), evaluate a
-    looped site on one parameter set at a time and a batched site with the sets
-    inside the blocks, on every route.
+def set_batching(routed, host, graph, counted, route, one_by_one):
+    """The partials of a site that, under ``vmap`` (vectorized chains), evaluate one
+    parameter set at a time (``one_by_one``) or with the sets inside the blocks, on
+    every route.
 
     ``routed(count)`` gives the site's unbatched partials on ``route`` (or where the
     traced choice says when ``route`` is ``None``), the graph's passed through
     ``count``; ``host`` the host path's; ``graph(traced, shared, dt, ds, set_axes)`` the
-    graph path's, batched; ``counted`` adds the graph counter; ``form`` is the site's.
+    graph path's, batched; ``counted`` adds the graph counter.
 
-    A batched site's batch is one evaluation of every set, its blocks with the sets
+    With the sets inside, a batch is one evaluation of every set, its blocks with the sets
     inside (see :mod:`.sets`), on the graph as on the host path (whose chunk programs
     lay it out the same way), so a set's bits do not depend on the route. A per-set
     choice (a ``vmap`` over choices, as a user's chain transform may make) maps over
     the sets, each unbatched.
 
-    The looped form runs one block's ``scan`` per loop iteration: batched over four
-    chains, the HMM's blocks took several times one chain's time and lost to plain
-    (docs/performance.md), the residuals of every chain's steps no longer in
-    cache. Here the graph path maps over the sets (``lax.map``) and the host path hands
-    the whole batch to one callback whose tasks evaluate each set unbatched (see
-    :func:`.tasks.run_task`): on both, a set's values and gradients are the bits of the
-    unbatched program, whether chains are vectorized or not. A batch counts as one
-    graph call of as many sets, as a batched site's does."""
+    One by one: the looped form runs one block's ``scan`` per loop iteration; batched
+    over four chains, the HMM's blocks took several times one chain's time and lost to
+    plain (docs/performance.md), the residuals of every chain's steps no longer in
+    cache (a wide regression on jax 0.10: :data:`.forms.SETS_EACH_WIDTH`). The graph
+    path maps over the sets (``lax.map``) and the host path hands the whole batch to one
+    callback whose tasks evaluate each set unbatched (see :func:`.tasks.run_task`): on
+    both, a set's values and gradients are the bits of the unbatched program, whether
+    chains are vectorized or not. A batch counts as one graph call of as many sets, as
+    it does with the sets inside."""
 
     def wrapped(traced, shared, choice, dt, ds):
         def make(count):
@@ -70,7 +72,7 @@ def set_batching(routed, host, graph, counted, route, form):
                     return lax.map(one, [x for x, b in zip(flat, batched) if b] + list(extra))
 
                 def on_graph():
-                    if form == "batched":  # an outer vmap level joins the sets
+                    if not one_by_one:  # an outer vmap level joins the sets
                         return nest_sets(lambda t1, s1, ax: graph(t1, s1, dt, ds, ax),
                                          axes)(t, s)
                     # Through ``each``: an outer vmap level maps again.
@@ -98,10 +100,10 @@ def set_batching(routed, host, graph, counted, route, form):
             # lower: "Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
             return routed(counted)(traced, shared, choice, dt, ds)
         uncounted = make(lambda out: out)
-        if form == "looped":
+        if one_by_one:
             return make(counted)(traced, shared, choice)
-        # A batched site counts where it did before it had a custom_vmap: outside it, the
-        # counter's callback batched by vmap (a call of every set).
+        # With the sets inside, a site counts where it did before it had a custom_vmap:
+        # outside it, the counter's callback batched by vmap (a call of every set).
         out = uncounted(traced, shared, choice)
         if route is not None:
             return counted(out) if route == "graph" else out

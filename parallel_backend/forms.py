@@ -30,7 +30,7 @@ from .blocks import YNN_REDUCE, xla_threads
 from .internals import CALLS, LAPACK, SCAN, Literal, jaxprs_in_params
 
 __all__ = ["FORMS", "blocks_pool", "detect_form", "form_of", "hide_values", "index_leaves",
-           "row_reduce_cap", "row_reduce_elements", "scan_reduce_per_row"]
+           "row_reduce_cap", "row_reduce_elements", "scan_reduce_per_row", "sets_form"]
 
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` run best one block at a time (see the module docstring).
@@ -171,6 +171,43 @@ def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
     block under the threshold keeps them in XLA's own fused loops (docs/performance.md,
     "Reductions within rows")."""
     return form_of(closed, rows, fixed)[0]
+
+
+#: Before jax 0.12, a batched site whose ``fn`` contracts each row with a parameter over
+#: at least this many elements (a linear predictor ``X @ beta`` of that many features)
+#: evaluates a batch of parameter sets one set at a time; 0: never. With the sets inside
+#: the blocks, XLA 0.10 ran that contraction, batched over the blocks, slower the wider it
+#: was (to a quarter of plain's speed at 80 features), where one set at a time followed
+#: plain from 8 features on; jax 0.12 ran every width faster with the sets inside
+#: (docs/performance.md, "Vectorized chains of a wide regression").
+SETS_EACH_WIDTH = 8 if jax.__version_info__ < (0, 12) else 0
+
+
+def _row_contraction(jaxpr, rows: int) -> int:
+    """The widest contraction of a ``dot_general`` in ``jaxpr`` (at any depth) between an
+    operand with the rows as its leading axis and one without them, or 0."""
+    widest = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            shapes = [v.aval.shape for v in eqn.invars]
+            for k, (mine, other) in enumerate(((shapes[0], shapes[1]), (shapes[1], shapes[0]))):
+                if mine[:1] == (rows,) and other[:1] != (rows,):
+                    widest = max(widest, math.prod(mine[d] for d in (lc, rc)[k]))
+        for sub in jaxprs_in_params(eqn.params):
+            widest = max(widest, _row_contraction(sub, rows))
+    return widest
+
+
+def sets_form(closed, rows: int, form: str) -> str:
+    """How a batch of parameter sets (vectorized chains) is evaluated: ``"each"``, one
+    set at a time, each the unbatched program (a looped site, and a batched one that
+    contracts rows over :data:`SETS_EACH_WIDTH` or more elements), else ``"inside"``,
+    the sets inside the blocks (:mod:`.sets`). ``closed``: ``fn`` traced on ``rows``."""
+    if form == "looped":
+        return "each"
+    wide = SETS_EACH_WIDTH and _row_contraction(closed.jaxpr, rows) >= SETS_EACH_WIDTH
+    return "each" if wide else "inside"
 
 
 def blocks_pool(closed) -> bool:

@@ -34,7 +34,7 @@ from .blocks import (
 from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
-from .forms import form_of, row_reduce_cap, row_reduce_elements, scan_reduce_per_row
+from .forms import form_of, row_reduce_cap, row_reduce_elements, scan_reduce_per_row, sets_form
 from .hoist import conditions, constant_conditions
 from .identity import site_key, snapshot
 from .internals import is_tracer
@@ -207,7 +207,7 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
             plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
         plan = balance_blocks(plan)
     spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"),
-                          row_loop=row_loop)
+                          row_loop=row_loop, sets=sets_form(closed, rows, form))
     if resident is None:
         resident = [x for x, t in zip(leaves, traced) if not t]
     # fn on one block of the spec's plan, as every process traces it
@@ -291,7 +291,7 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
 
         return partials
 
-    partials = set_batching(routed, host, graph, counted, route, state.spec.form)
+    partials = set_batching(routed, host, graph, counted, route, state.spec.sets == "each")
 
     def run(traced, shared, choice, dt, ds):
         # A fence on the way out, on every route: without one XLA fused the caller's use

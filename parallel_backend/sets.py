@@ -2,7 +2,8 @@
 
 This module owns :func:`over_blocks`, how the batched form maps one block's
 computation over a run of blocks and, under ``vmap`` (vectorized chains), over the
-parameter sets, and :func:`nest_sets`, which keeps that layout under nested ``vmap``.
+parameter sets, :func:`nest_sets`, which keeps that layout under nested ``vmap``, and
+:func:`each_set`, a chunk program of a site that evaluates its sets one at a time.
 Imports jax only.
 
 Two choices, both measured (negative binomial regression, 200,000 rows, float32, a
@@ -20,18 +21,20 @@ loop of value-and-gradient calls on 2 cores, ratios to plain NumPyro):
 
 Every route evaluates a batch of sets this way (the graph, every host chunk, every
 device), so the bits of a set do not depend on where it ran; they may differ from
-the same set evaluated alone.
+the same set evaluated alone. A site whose spec says ``sets="each"`` never comes here
+with a batch: it evaluates one set at a time (:func:`.forms.sets_form`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.custom_batching import custom_vmap
 
 from .tasks import block_axis
 
-__all__ = ["nest_sets", "over_blocks", "unblock"]
+__all__ = ["each_set", "nest_sets", "over_blocks", "unblock"]
 
 
 def over_blocks(block, prepared, traced, shared, valid, set_axes=None):
@@ -58,6 +61,24 @@ def over_blocks(block, prepared, traced, shared, valid, set_axes=None):
     out = jax.vmap(one_block, in_axes=(0, tuple(block_axis(a) for a in axes_t), 0, 0))(
         tuple(prepared), tuple(traced), spread, valid)
     return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), out)
+
+
+def each_set(one, in_axes):
+    """``f(prepared, traced, shared, *rest)``: ``one`` (an unbatched chunk program) on each
+    parameter set of the batch in turn, the leaves ``in_axes`` maps taken per set."""
+    axes = in_axes[0] + in_axes[1]
+
+    def run(prepared, traced, shared, *rest):
+        leaves = tuple(traced) + tuple(shared)
+
+        def member(mapped):
+            it = iter(mapped)
+            mine = [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
+            return one(prepared, tuple(mine[:len(traced)]), tuple(mine[len(traced):]), *rest)
+
+        return lax.map(member, [x for x, a in zip(leaves, axes) if a == 0])
+
+    return run
 
 
 def nest_sets(evaluate, set_axes):

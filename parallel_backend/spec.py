@@ -5,8 +5,7 @@ This module owns :class:`SiteSpec`, the picklable description of one call site
 the evaluation form, precision), and :class:`Program`, what a spec computes in one
 process: the hoisted split of ``fn`` (:mod:`.hoist`), the data prepared once per
 site (padded into blocks, with the residuals), and the pure functions that turn
-blocks into per-block partials. Imports jax, numpy and the core's blocks, hoist and
-sets modules. Two evaluation forms are chosen from ``fn`` alone (see :mod:`.forms`).
+blocks into per-block partials. Imports jax and numpy. The forms: see :mod:`.forms`.
 
 Every block has ``block_rows`` rows; the last is padded with copies of the last
 row, and a mask keeps the padding out of the value and of every gradient (in the
@@ -31,7 +30,7 @@ from .forms import blocks_pool, hide_values, index_leaves
 from .hoist import Split, calls_fn, known_function, split_known, traced_block, unknown_function
 from .identity import owned
 from .second_order import kept, merge
-from .sets import over_blocks, unblock
+from .sets import each_set, over_blocks, unblock
 from .tasks import Partials, block_axis, fence, host_device, pad_blocks, program_key, take_blocks
 from .traced import computes
 
@@ -72,6 +71,8 @@ class SiteSpec(NamedTuple):
         (:func:`.traced.computes`); every process that traces the spec checks it.
     row_loop : bool
         Looped for a reduction within rows, not for a ``scan`` (:func:`.forms.detect_form`).
+    sets : {"inside", "each"}
+        How a batch of parameter sets is evaluated (:func:`.forms.sets_form`).
     """
 
     fn: Any
@@ -89,6 +90,7 @@ class SiteSpec(NamedTuple):
     constants: tuple = ()
     computes: str = ""
     row_loop: bool = False
+    sets: str = "inside"
 
     @property
     def n_traced(self) -> int:
@@ -122,8 +124,8 @@ class SiteSpec(NamedTuple):
 
     def rows(self, first_block: int, count: int) -> tuple[int, int]:
         """Rows ``[start, stop)`` of blocks ``[first_block, first_block + count)``."""
-        p = self.plan
-        return p.block_range(first_block)[0], p.block_range(first_block + count - 1)[1]
+        return self.plan.block_range(first_block)[0], self.plan.block_range(
+            first_block + count - 1)[1]
 
 
 class Program:
@@ -162,9 +164,10 @@ class Program:
         self._lock = threading.Lock()
         #: The compiled chunk programs, by :func:`.tasks.program_key` (read by tasks).
         self.cache: dict = {}
-        #: The form and whether the last block is padded and run apart, as attributes
-        #: (read by every task).
+        #: The form, whether a batch of parameter sets runs one set at a time and whether
+        #: the last block is padded and run apart, as attributes (read by every task).
         self.is_looped = spec.form == "looped"
+        self.sets_each = spec.sets == "each"
         self.split_tail = bool(spec.tiles.tail)
 
     # -- data, once per site -----------------------------------------------------
@@ -183,10 +186,6 @@ class Program:
             except Exception:  # noqa: BLE001 - not batchable: one block at a time
                 residuals = jax.jit(lambda b: lax.map(self._known, b))(blocks)
             return raw + tuple(np.asarray(r) for r in residuals)
-
-    @property
-    def n_raw(self) -> int:
-        return len(self.split.raw)
 
     # -- one block, and runs of blocks --------------------------------------------
 
@@ -212,7 +211,7 @@ class Program:
                                    tuple(kept(shared, diff_shared))),
                            (tuple(tan_t), tuple(tan_s)))[1]
         rows = self.spec.plan.block_rows
-        raw, residuals = prepared[:self.n_raw], prepared[self.n_raw:]
+        raw, residuals = prepared[:len(self.split.raw)], prepared[len(self.split.raw):]
         mask = jnp.arange(rows) < valid
 
         def total(pointwise):
@@ -363,8 +362,9 @@ class Program:
         :meth:`batched`). ``looped``: ``f(prepared, traced, shared, valid, first, count)``
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
         vmap axes of ``(traced, shared)`` under a batch of parameter sets, mapped inside
-        the blocks as in the graph path, or ``None`` (always for the looped form's values
-        and gradients: see :func:`.batching.set_batching`). ``order`` 2: Hessian-vector
+        the blocks as in the graph path, or ``None``; a site that evaluates its sets one
+        at a time maps the unbatched program over them (``lax.map``), as the graph path
+        does (see :func:`.batching.set_batching`). ``order`` 2: Hessian-vector
         products (see :meth:`_block`), a batch of tangents mapped inside the blocks in
         either form.
         """
@@ -372,9 +372,9 @@ class Program:
         key = program_key(blocks, diff_traced, diff_shared, in_axes, split, order)
         if key in self.cache:
             return self.cache[key]
-        assert in_axes is None or self.spec.form != "looped" or order == 2, \
-            "a looped site runs one set at a time"
-        if split:
+        if in_axes is not None and self.sets_each and order == 1:  # a lax.map over the sets
+            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last), in_axes)
+        elif split:
             def run(prepared, traced, shared, valid, tail):
                 return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
                                     tail=tail, set_axes=in_axes, order=order)

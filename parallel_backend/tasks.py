@@ -333,8 +333,9 @@ _POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
 
 def run_task(task: Task) -> ChunkResult:
     """Evaluate ``task`` on the calling thread, with one compiled call: one ``vmap`` over
-    its blocks in the batched form, one loop over them in the looped form (one per
-    parameter set under a batch of them)."""
+    its blocks in the batched form, one loop over them in the looped form; under a batch
+    of parameter sets where the site evaluates them one at a time (``Program.sets_each``),
+    a ``lax.map`` of that over the sets, as in the graph path (see ``Program.compiled``)."""
     program, resident, chunk, ev = task.program, task.resident, task.chunk, task.evaluation
     spec = program.spec
     gate = _POOL_GATE if program.blocks_pool else contextlib.nullcontext()
@@ -343,26 +344,7 @@ def run_task(task: Task) -> ChunkResult:
         # compiled function (a pure_callback's thread has a default device set).
         with gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
             t0 = time.perf_counter()  # after the gate: the chunker wants compute time
-            a, b = chunk.first, chunk.first + chunk.count
-            last = b == len(program.valid)
-            split = last and program.split_tail
-            order = ev.order
-            # A looped site's sets run one at a time (see _looped), its tangents together.
-            axes = None if program.is_looped and order == 1 else ev.in_axes
-            fn = program.cache.get(program_key(chunk.count, ev.diff_traced, ev.diff_shared,
-                                               axes, split, order))
-            if fn is None:
-                fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, axes, last,
-                                      order)
-            if program.is_looped:
-                out = _looped(fn, program, resident, chunk, ev)
-            elif split:  # the padded block apart (see Program.batched)
-                tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
-                out = fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
-                         program.valid[a:b - 1], tail)
-            else:
-                out = fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
-            out = jax.device_get(out)
+            out = jax.device_get(_call(program, resident, chunk, ev))
             seconds = time.perf_counter() - t0
     except Exception as e:
         raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
@@ -376,25 +358,21 @@ def run_chunk(program, resident, chunk, evaluation: Evaluation) -> ChunkResult:
     return run_task(Task(None, program, resident, chunk, evaluation))
 
 
-def _looped(fn, program, resident, chunk, ev: Evaluation):
-    """A looped chunk: one call of the unbatched program, or one per parameter set of a
-    batch (``vmap``): a set's partials are then the bits of the unbatched program, as
-    in the graph path (see :func:`.batching.set_batching`)."""
+def _call(program, resident, chunk, ev: Evaluation):
+    """The chunk's partials: one call of its compiled program (the padded last block
+    apart where the plan says so; see ``Program.batched``)."""
     a, b = chunk.first, chunk.first + chunk.count
-
-    def call(traced, shared):
-        return fn(resident.everything(), traced, shared, program.valid[a:b],
+    split = b == len(program.valid) and program.split_tail
+    fn = program.cache.get(program_key(chunk.count, ev.diff_traced, ev.diff_shared,
+                                       ev.in_axes, split, ev.order))
+    if fn is None:
+        fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
+                              b == len(program.valid), ev.order)
+    if program.is_looped:
+        return fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
                   np.int32(a - resident.first), np.int32(chunk.count))
-
-    traced = ev.blocks(a, b)
-    if ev.in_axes is None or ev.order == 2:
-        return call(traced, ev.shared)
-    axes_t, axes_s = ev.in_axes
-    k = next(x.shape[0] for x, ax in zip(traced + ev.shared, axes_t + axes_s) if ax == 0)
-
-    def member(leaves, axes, m):
-        return tuple(x[m] if ax == 0 else x for x, ax in zip(leaves, axes))
-
-    sets = [jax.device_get(call(member(traced, axes_t, m), member(ev.shared, axes_s, m)))
-            for m in range(k)]
-    return jax.tree.map(lambda *xs: np.stack(xs), *sets)
+    if split:
+        tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
+        return fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
+                  program.valid[a:b - 1], tail)
+    return fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])

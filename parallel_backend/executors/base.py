@@ -315,8 +315,8 @@ def site_stats(state: SiteState) -> dict:
         rows = [p.n_rows]
     out = {"label": spec.label, "rows": p.n_rows, "block_rows": p.block_rows,
            "blocks": p.n_blocks, "tile_blocks": spec.tiles.tile_blocks,
-           "tiles": spec.tiles.n_tiles, "form": spec.form, "dispatch": route,
-           "default": state.decision, "chunk_rows": rows,
+           "tiles": spec.tiles.n_tiles, "form": spec.form, "sets": spec.sets,
+           "dispatch": route, "default": state.decision, "chunk_rows": rows,
            "settled": state.chunker.settled if host else None}
     if state.measured is not None:
         out["measured"] = {"route": state.measured.route, "host_over_graph": state.measured.ratio,

@@ -168,3 +168,63 @@ def test_batched_site_under_nested_vmap_is_bitwise_the_graphs(x64, fresh_executo
     _, params = problem.batch(BATCH)
     assert_close(expected, jax.jit(jax.vmap(jax.vmap(exact, in_axes=(None, 0)),
                                             in_axes=(0, None)))(rows, params), rtol=1e-10)
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread2-host", "thread2"])
+def test_wide_regression_under_vmap_is_each_set_unbatched(monkeypatch, fresh_executor,
+                                                          make_problem, assert_identical,
+                                                          assert_close, executor):
+    """A batched site that contracts each row with a parameter over
+    ``forms.SETS_EACH_WIDTH`` or more elements (set here to the problem's 3 features; on
+    jax 0.10, 8) evaluates a batch of sets one at a time, in the graph and on the host:
+    each set gets the bits it gets alone, and the batch still counts as one call."""
+    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    problem, ex = make_problem("logistic", n=N), fresh_executor(executor)
+    args = problem.batch(BATCH)
+    got = evaluate(problem, ex, None, batched=True)
+    (site,) = ex.stats()["sites"]
+    assert (site["form"], site["sets"]) == ("batched", "each")
+    assert (ex.stats()["calls"], ex.stats()["rows"]) == (1, BATCH * N)
+    exact = jax.jit(jax.vmap(jax.value_and_grad(problem.unsplit(), argnums=(0, 1))))(*args)
+    assert_close(got, exact, rtol=1e-5)
+    with pb.SerialExecutor() as serial:
+        f = jax.jit(jax.value_and_grad(problem.split(serial, block_rows=BLOCK_ROWS),
+                                       argnums=(0, 1)))
+        for i in range(BATCH):
+            alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
+            assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
+
+
+@pytest.mark.parametrize("width, sets", [(3, "each"), (4, "inside"), (0, "inside")])
+def test_sets_inside_the_blocks_unless_rows_contract_wide(monkeypatch, fresh_executor,
+                                                          make_problem, width, sets):
+    """The layout of a batch of sets follows ``fn``: the problem's rows contract with
+    ``beta`` over 3 features, so a width of 3 runs them one by one; 4 or 0 (never, as
+    on jax 0.12) keeps them inside the blocks, and the nested batch stays bitwise the
+    graph's (above)."""
+    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", width)
+    problem, ex = make_problem("logistic", n=N), fresh_executor("serial")
+    evaluate(problem, ex, None, batched=True)
+    (site,) = ex.stats()["sites"]
+    assert site["sets"] == sets
+
+
+def test_wide_regression_under_nested_vmap_is_bitwise_the_graphs(monkeypatch, fresh_executor,
+                                                                 make_problem, assert_identical):
+    """One set at a time under two ``vmap`` levels (``beta`` batched on the outer one, the
+    intercept on the inner): the host path's bits are the graph's."""
+    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    problem = make_problem("logistic", n=N)
+    betas, intercepts = problem.batch(2)[1][0], problem.batch(BATCH)[1][1]
+
+    def run(executor, grainsize):
+        split = problem.split(executor, block_rows=BLOCK_ROWS, grainsize=grainsize)
+        f = jax.value_and_grad(lambda b, c: split({}, (b, c)), argnums=(0, 1))
+        return jax.jit(jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, None)))(
+            betas, intercepts)
+
+    with pb.SerialExecutor() as serial:
+        expected = run(serial, None)
+        assert serial.stats()["sites"][0]["sets"] == "each"
+    assert expected[0].shape == (2, BATCH)
+    assert_identical(run(fresh_executor("thread2-host"), GRAINSIZES["three-blocks"]), expected)
