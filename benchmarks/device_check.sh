@@ -13,7 +13,8 @@ OUT=${1:-/tmp/out}
 PARTS=${PARTS:-"env gpu gpubench cpu scaling hosts"}
 # also: "hang" (benchmarks/inflight.py: operations queued on a host-route result),
 # "rowcores" (benchmarks/row_forms.py on 2, 4, 8 and 16 cores), "trust" (the hang and traced-state tests on 16 cores), "nuts" (NUTS end to end),
-# "demo" (`parallel-backend demo` on 16 cores; .whl needs arviz 1.3 and its parts)
+# "demo" (`parallel-backend demo` on 16 cores; .whl needs arviz 1.3 and its parts),
+# "sets" (benchmarks/sets_forms.py: vectorized chains by width, jax 0.11, 2 and 16 cores)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 if [ -d .whl ]; then
@@ -59,6 +60,8 @@ part trust 240 env JAX_PLATFORMS=cpu python3 -m pytest -p no:cacheprovider -n 4 
 part nuts 200 env JAX_PLATFORMS=cpu python3 -m benchmarks nuts \
   --likelihoods hmm:50000,mixture:200000 --variants thread --repeats 1 --warmup 20 \
   --samples 20 --max-tree-depth 4 --machine "$M" --out "$OUT/nuts.jsonl"
+part sets 240 bash -c 'for c in 1 15; do
+  JAX_PLATFORMS=cpu taskset -c 0-$c python3 -m benchmarks.sets_forms 200000 4,8,20,40; done'
 part demo 300 env JAX_PLATFORMS=cpu python3 -c \
   "import sys; from parallel_backend.plugins.cli import main; sys.exit(main(['demo', '--no-progress']))"
 } 2>&1 | tee "$OUT/log.txt"
