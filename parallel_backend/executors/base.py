@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import jax
@@ -113,6 +114,7 @@ class Executor:
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
         self._closed = False
+        self._runner = None  # the thread of the default run_tasks
         self._created = time.time()
         self._counts = {"calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
                         "seconds_in_workers": 0.0, "bytes_sent": 0}
@@ -129,11 +131,21 @@ class Executor:
         their results in task order (or more results, in block order, where an executor
         splits a task at its own data's boundaries).
 
-        The default runs them one after another on this thread with
-        :func:`~parallel_backend.tasks.run_task`; an executor with workers hands each to
-        one, as ``concurrent.futures`` would.
+        The default runs them one after another with
+        :func:`~parallel_backend.tasks.run_task` on a thread of this executor's own (made
+        at first use, ended by :meth:`close`), while this one waits with :func:`gather`:
+        run here, a chunk that can never start would hang the callback instead of raising
+        :class:`~parallel_backend.errors.InFlightLimit`. An executor with workers hands
+        each task to one, as ``concurrent.futures`` would.
         """
-        return [run_task(t) for t in tasks]
+        if not tasks:
+            return []
+        with self._lock:
+            self.check_open()
+            if self._runner is None:
+                self._runner = ThreadPoolExecutor(1, thread_name_prefix="parallel_backend-tasks")
+            future = self._runner.submit(lambda: [run_task(t) for t in tasks])
+        return gather([future], [tasks[0].resident.device], tasks[0].program.spec.label)[0]
 
     def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
                        set_axes=None):
@@ -290,6 +302,10 @@ class Executor:
         if not self._closed:
             self._closed = True
             self.release()
+            with self._lock:
+                runner, self._runner = self._runner, None
+            if runner is not None:
+                runner.shutdown(wait=True, cancel_futures=True)
             self._states.clear()
 
     def __enter__(self):

@@ -13,7 +13,8 @@ class SerialExecutor(Executor):
     By default the block loop stays inside the caller's XLA program (no host
     callback): the reference every other executor matches bit for bit, and the
     cheapest choice for small likelihoods. ``dispatch="host"`` runs the same
-    chunks through the host callback instead, one after another.
+    chunks through the host callback instead, one after another on a thread of the
+    executor's own (see :meth:`~parallel_backend.executors.base.Executor.run_tasks`).
 
     Parameters
     ----------

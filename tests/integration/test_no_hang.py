@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent("""
@@ -67,7 +69,7 @@ QUEUED = textwrap.dedent("""
     x = jnp.ones(1_000_000, np.float32)
     slow = jax.jit(lambda x: jax.lax.fori_loop(0, 100, lambda i, x: jnp.sin(x) + 0.5, x)
                    .sum() * 0.0)
-    with pb.ThreadExecutor(2, dispatch="host") as ex:
+    with EXECUTOR as ex:
         f = jax.jit(lambda *q: pb.reduce_sum(fn, data, *q, executor=ex))
         want = np.float32(f(*params))
         for _ in range(40):
@@ -86,14 +88,17 @@ QUEUED = textwrap.dedent("""
 """)
 
 
-def test_operations_queued_on_a_pending_result_end_in_an_error_not_a_hang():
+@pytest.mark.parametrize("executor", ['pb.ThreadExecutor(2, dispatch="host")',
+                                      'pb.SerialExecutor(dispatch="host")'])
+def test_operations_queued_on_a_pending_result_end_in_an_error_not_a_hang(executor):
     """The caller's program waits for its parameters; 40 operations queued on its result
     take every place XLA's CPU device keeps for programs in flight, so the chunk programs
-    its host callback waits for could never start (it hung on both stacks here). The
-    callback sees that no chunk finishes and no program can start, and raises
-    ``InFlightLimit``: an error within seconds, the right value where XLA admitted the
-    chunks after all, and the executor works afterwards."""
-    done = subprocess.run([sys.executable, "-c", "STALL = 0.5\n" + QUEUED], cwd=ROOT,
+    its host callback waits for could never start (it hung on both stacks here, on both
+    executors). The callback sees that no chunk finishes and no program can start, and
+    raises ``InFlightLimit``: an error within seconds, the right value where XLA admitted
+    the chunks after all, and the executor works afterwards."""
+    script = "STALL = 0.5\n" + QUEUED.replace("EXECUTOR", executor)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
                           capture_output=True, text=True, timeout=150, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.split()

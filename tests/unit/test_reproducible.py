@@ -114,6 +114,16 @@ def test_evaluation_form_follows_fn(fresh_executor, make_problem, name, form):
     assert site["form"] == form
 
 
+def each_set_alone(problem, args, got, assert_identical):
+    """Each set of the batch ``got`` (at ``args``) is the bits it gets alone, in the graph."""
+    with pb.SerialExecutor() as serial:
+        f = jax.jit(jax.value_and_grad(problem.split(serial, block_rows=BLOCK_ROWS),
+                                       argnums=(0, 1)))
+        for i in range(BATCH):
+            alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
+            assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
+
+
 @pytest.mark.parametrize("executor", ["serial", "thread2-host", "thread2"])
 def test_looped_site_under_vmap_is_each_set_unbatched(fresh_executor, make_problem,
                                                        assert_identical, executor):
@@ -122,12 +132,7 @@ def test_looped_site_under_vmap_is_each_set_unbatched(fresh_executor, make_probl
     problem = make_problem("hmm", n=N)
     args = problem.batch(BATCH)
     got = evaluate(problem, fresh_executor(executor), None, batched=True)
-    with pb.SerialExecutor() as serial:
-        f = jax.jit(jax.value_and_grad(problem.split(serial, block_rows=BLOCK_ROWS),
-                                       argnums=(0, 1)))
-        for i in range(BATCH):
-            alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
-            assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
+    each_set_alone(problem, args, got, assert_identical)
 
 
 @pytest.mark.parametrize("executor", ["serial", "thread2-host"])
@@ -187,12 +192,7 @@ def test_wide_regression_under_vmap_is_each_set_unbatched(monkeypatch, fresh_exe
     assert (ex.stats()["calls"], ex.stats()["rows"]) == (1, BATCH * N)
     exact = jax.jit(jax.vmap(jax.value_and_grad(problem.unsplit(), argnums=(0, 1))))(*args)
     assert_close(got, exact, rtol=1e-5)
-    with pb.SerialExecutor() as serial:
-        f = jax.jit(jax.value_and_grad(problem.split(serial, block_rows=BLOCK_ROWS),
-                                       argnums=(0, 1)))
-        for i in range(BATCH):
-            alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
-            assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
+    each_set_alone(problem, args, got, assert_identical)
 
 
 @pytest.mark.parametrize("width, sets", [(3, "each"), (4, "inside"), (0, "inside")])
