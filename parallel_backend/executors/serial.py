@@ -14,7 +14,7 @@ class SerialExecutor(Executor):
     callback): the reference every other executor matches bit for bit, and the
     cheapest choice for small likelihoods. ``dispatch="host"`` runs the same
     chunks through the host callback instead, one after another on a thread of the
-    executor's own (see :meth:`~parallel_backend.executors.base.Executor.run_tasks`).
+    executor's own (see ``Executor.run_tasks``).
 
     Parameters
     ----------
