@@ -192,8 +192,12 @@ def _gone(dask_worker, name) -> Reply:
 
 async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
                    dask_worker=None) -> Reply:
-    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool."""
-    from parallel_backend.extend import ChunkError
+    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool.
+
+    Waited for with ``gather`` (on a thread beside the event loop): where the worker
+    shares XLA's device with the caller (a cluster in the caller's process) and the
+    chunk programs can never start, it answers ``InFlightLimit`` instead of waiting."""
+    from parallel_backend.extend import ChunkError, InFlightLimit, gather
 
     state = _state(dask_worker, name)
     if state is None:
@@ -206,10 +210,25 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
     spec = state.specs[token]
     residents = {t[0]: state.find(data_token, t[0]) for t in tasks}
     loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(state.pool, state.run_task, token, spec, residents[task[0]],
-                                    task, shared, diff_traced, diff_shared, in_axes)
-               for task in tasks]
-    results = await asyncio.gather(*futures, return_exceptions=True)
+    futures = [state.pool.submit(state.run_task, token, spec, residents[task[0]], task, shared,
+                                 diff_traced, diff_shared, in_axes) for task in tasks]
+    devices = [residents[t[0]].device for t in tasks]
+
+    def settle():  # every chunk finished (or failed), watched as gather watches them
+        for i in range(len(futures)):
+            try:
+                return gather(futures[i:], devices[i:], spec.label)
+            except InFlightLimit:
+                raise
+            except BaseException:  # noqa: BLE001, S112 - its own outcome, read below
+                continue
+
+    try:
+        await loop.run_in_executor(None, settle)
+    except InFlightLimit as e:
+        rows = spec.rows(tasks[0][1].first, tasks[0][1].count)
+        return Reply(ERROR, error=ChunkError.wrap(e, rows, spec.label, "dask"))
+    results = await asyncio.gather(*map(asyncio.wrap_future, futures), return_exceptions=True)
     if any(isinstance(r, (asyncio.CancelledError, CancelledError)) for r in results):
         # The worker's pool cancelled queued chunks: it is shutting down (killed, retired,
         # scaled down), not fn failing. The client hands the chunks to other workers.

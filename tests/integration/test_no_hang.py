@@ -59,7 +59,7 @@ def test_a_second_fit_in_the_same_process_finishes():
 
 
 QUEUED = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
+    import distributed, jax, jax.numpy as jnp, numpy as np
     import parallel_backend as pb
     from parallel_backend.executors import base
     from benchmarks.likelihoods import LIKELIHOODS
@@ -88,15 +88,20 @@ QUEUED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("executor", ['pb.ThreadExecutor(2, dispatch="host")',
-                                      'pb.SerialExecutor(dispatch="host")'])
+@pytest.mark.parametrize("executor", [
+    'pb.ThreadExecutor(2, dispatch="host")', 'pb.SerialExecutor(dispatch="host")',
+    # workers in this process: they share XLA's device with the caller
+    ('pb.DaskExecutor(client=distributed.Client(processes=False, n_workers=1, '
+     'threads_per_worker=2, dashboard_address=None), dispatch="host")')],
+    ids=["thread", "serial", "dask-in-process"])
 def test_operations_queued_on_a_pending_result_end_in_an_error_not_a_hang(executor):
     """The caller's program waits for its parameters; 40 operations queued on its result
     take every place XLA's CPU device keeps for programs in flight, so the chunk programs
-    its host callback waits for could never start (it hung on both stacks here, on both
-    executors). The callback sees that no chunk finishes and no program can start, and
-    raises ``InFlightLimit``: an error within seconds, the right value where XLA admitted
-    the chunks after all, and the executor works afterwards."""
+    its host callback waits for could never start (it hung here on every executor; a
+    dask cluster's worker threads in this process share XLA's device). The callback sees
+    that no chunk finishes and no program can start, and raises ``InFlightLimit``: an
+    error within seconds, the right value where XLA admitted the chunks after all, and
+    the executor works afterwards."""
     script = "STALL = 0.5\n" + QUEUED.replace("EXECUTOR", executor)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
                           capture_output=True, text=True, timeout=150, check=False)
