@@ -144,8 +144,8 @@ class Executor:
             self.check_open()
             if self._runner is None:
                 self._runner = ThreadPoolExecutor(1, thread_name_prefix="parallel_backend-tasks")
-            future = self._runner.submit(lambda: [run_task(t) for t in tasks])
-        return gather([future], [tasks[0].resident.device], tasks[0].program.spec.label)[0]
+            futures = [self._runner.submit(run_task, t) for t in tasks]  # one thread: in turn
+        return gather(futures, [t.resident.device for t in tasks], tasks[0].program.spec.label)
 
     def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
                        set_axes=None):
