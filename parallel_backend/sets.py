@@ -63,18 +63,26 @@ def over_blocks(block, prepared, traced, shared, valid, set_axes=None):
     return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), out)
 
 
-def each_set(one, in_axes):
+def each_set(one, in_axes, split: bool = False):
     """``f(prepared, traced, shared, *rest)``: ``one`` (an unbatched chunk program) on each
-    parameter set of the batch in turn, the leaves ``in_axes`` maps taken per set."""
-    axes = in_axes[0] + in_axes[1]
+    parameter set of the batch in turn, the leaves ``in_axes`` maps taken per set; with
+    ``split``, ``rest`` is ``(valid, tail)`` and the tail's traced leaves are taken too."""
+    axes_t, axes_s = in_axes
 
     def run(prepared, traced, shared, *rest):
-        leaves = tuple(traced) + tuple(shared)
+        tail_t = tuple(rest[1][1]) if split else ()
+        leaves = (*traced, *shared, *tail_t)
+        axes = axes_t + axes_s + (axes_t if split else ())
 
         def member(mapped):
             it = iter(mapped)
             mine = [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
-            return one(prepared, tuple(mine[:len(traced)]), tuple(mine[len(traced):]), *rest)
+            t, s = tuple(mine[:len(traced)]), tuple(mine[len(traced):len(traced) + len(shared)])
+            if split:
+                rest_m = (rest[0], (rest[1][0], tuple(mine[len(traced) + len(shared):]),
+                                    rest[1][2]))
+                return one(prepared, t, s, *rest_m)
+            return one(prepared, t, s, *rest)
 
         return lax.map(member, [x for x, a in zip(leaves, axes) if a == 0])
 

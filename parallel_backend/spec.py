@@ -362,9 +362,8 @@ class Program:
         :meth:`batched`). ``looped``: ``f(prepared, traced, shared, valid, first, count)``
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
         vmap axes of ``(traced, shared)`` under a batch of parameter sets, mapped inside
-        the blocks as in the graph path, or ``None``; a site that evaluates its sets one
-        at a time maps the unbatched program over them (``lax.map``), as the graph path
-        does (see :func:`.batching.set_batching`). ``order`` 2: Hessian-vector
+        the blocks as in the graph path, or ``None``; a site of ``sets="each"`` maps the
+        unbatched program over them (:func:`.sets.each_set`). ``order`` 2: Hessian-vector
         products (see :meth:`_block`), a batch of tangents mapped inside the blocks in
         either form.
         """
@@ -373,7 +372,8 @@ class Program:
         if key in self.cache:
             return self.cache[key]
         if in_axes is not None and self.sets_each and order == 1:  # a lax.map over the sets
-            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last), in_axes)
+            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last), in_axes,
+                           split)
         elif split:
             def run(prepared, traced, shared, valid, tail):
                 return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,

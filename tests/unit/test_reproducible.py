@@ -8,6 +8,7 @@ let XLA fuse or simplify across the ``reduce_sum`` boundary.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -228,3 +229,38 @@ def test_wide_regression_under_nested_vmap_is_bitwise_the_graphs(monkeypatch, fr
         assert serial.stats()["sites"][0]["sets"] == "each"
     assert expected[0].shape == (2, BATCH)
     assert_identical(run(fresh_executor("thread2-host"), GRAINSIZES["three-blocks"]), expected)
+
+
+def _wide_with_row_params(n: int = N):
+    """``X @ beta`` over 3 features plus a per-row effect ``u`` (a traced data leaf)."""
+    rng = np.random.default_rng(1)
+    X = jnp.asarray(rng.normal(size=(n, 3)), jnp.result_type(float))
+    y = X @ jnp.asarray([0.5, -1.0, 0.25]) + jnp.asarray(rng.normal(size=n))
+
+    def loglik(d, beta):
+        return -0.5 * (d["y"] - d["X"] @ beta - d["u"]) ** 2 - 0.5 * d["u"] ** 2
+
+    def f(u, beta, executor):
+        return pb.reduce_sum(loglik, {"X": X, "y": y, "u": u}, beta, executor=executor,
+                             block_rows=BLOCK_ROWS)
+
+    us = jnp.stack([0.1 * k * jnp.asarray(rng.normal(size=n)) for k in range(BATCH)])
+    betas = jnp.stack([jnp.asarray([0.4, -0.9, 0.2]) * (1 + 0.1 * k) for k in range(BATCH)])
+    return f, us, betas
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread2-host", "thread2"])
+def test_wide_regression_with_row_parameters_each_set_alone(monkeypatch, fresh_executor,
+                                                            assert_identical, executor):
+    """One set at a time with per-row parameters batched too and a padded last block
+    (1,000 rows in blocks of 64): each set's value and gradients are its bits alone."""
+    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    f, us, betas = _wide_with_row_params()
+    ex = fresh_executor(executor)
+    vg = jax.value_and_grad(f, argnums=(0, 1))
+    got = jax.jit(jax.vmap(lambda u, b: vg(u, b, ex)))(us, betas)
+    assert ex.stats()["sites"][0]["sets"] == "each"
+    with pb.SerialExecutor() as serial:
+        alone = jax.jit(lambda u, b: vg(u, b, serial))
+        for i in range(BATCH):
+            assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone(us[i], betas[i]))
