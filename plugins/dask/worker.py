@@ -210,26 +210,22 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
     spec = state.specs[token]
     residents = {t[0]: state.find(data_token, t[0]) for t in tasks}
     loop = asyncio.get_running_loop()
-    futures = [state.pool.submit(state.run_task, token, spec, residents[task[0]], task, shared,
-                                 diff_traced, diff_shared, in_axes) for task in tasks]
-    devices = [residents[t[0]].device for t in tasks]
 
-    def settle():  # every chunk finished (or failed), watched as gather watches them
-        for i in range(len(futures)):
-            try:
-                return gather(futures[i:], devices[i:], spec.label)
-            except InFlightLimit:
-                raise
-            except BaseException:  # noqa: BLE001, S112 - its own outcome, read below
-                continue
+    def outcome(task):  # a chunk's own failure as its result: gather waits for them all
+        try:
+            return state.run_task(token, spec, residents[task[0]], task, shared, diff_traced,
+                                  diff_shared, in_axes)
+        except Exception as e:  # noqa: BLE001 - reported per chunk below
+            return e
 
+    futures = [state.pool.submit(outcome, task) for task in tasks]
     try:
-        await loop.run_in_executor(None, settle)
+        results = await loop.run_in_executor(
+            None, gather, futures, [residents[t[0]].device for t in tasks], spec.label)
     except InFlightLimit as e:
         rows = spec.rows(tasks[0][1].first, tasks[0][1].count)
         return Reply(ERROR, error=ChunkError.wrap(e, rows, spec.label, "dask"))
-    results = await asyncio.gather(*map(asyncio.wrap_future, futures), return_exceptions=True)
-    if any(isinstance(r, (asyncio.CancelledError, CancelledError)) for r in results):
+    except CancelledError:
         # The worker's pool cancelled queued chunks: it is shutting down (killed, retired,
         # scaled down), not fn failing. The client hands the chunks to other workers.
         return Reply(GONE, detail=f"the worker {dask_worker.address} is shutting down "
