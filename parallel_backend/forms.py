@@ -178,7 +178,7 @@ def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
 #: evaluates a batch of parameter sets one set at a time; 0: never. With the sets inside
 #: the blocks, XLA 0.10 ran that contraction, batched over the blocks, slower the wider it
 #: was (to a quarter of plain's speed at 80 features), where one set at a time followed
-#: plain from 8 features on; jax 0.12 ran every width faster with the sets inside
+#: plain from 8 features on; jax 0.12 ran every width as fast or faster with the sets inside
 #: (docs/performance.md, "Vectorized chains of a wide regression"). jax 0.11 is not
 #: measured and takes jax 0.10's rule (``benchmarks/device_check.sh``, part ``sets``).
 SETS_EACH_WIDTH = 8 if jax.__version_info__ < (0, 12) else 0

@@ -201,8 +201,7 @@ def test_sets_inside_the_blocks_unless_rows_contract_wide(monkeypatch, fresh_exe
                                                           make_problem, width, sets):
     """The layout of a batch of sets follows ``fn``: the problem's rows contract with
     ``beta`` over 3 features, so a width of 3 runs them one by one; 4 or 0 (never, as
-    on jax 0.12) keeps them inside the blocks, and the nested batch stays bitwise the
-    graph's (above)."""
+    on jax 0.12) keeps them inside the blocks."""
     monkeypatch.setattr(forms, "SETS_EACH_WIDTH", width)
     problem, ex = make_problem("logistic", n=N), fresh_executor("serial")
     evaluate(problem, ex, None, batched=True)
