@@ -16,7 +16,7 @@ from jax.custom_batching import custom_vmap
 
 from .dispatch import GRAPH, HOST
 from .internals import is_tracer
-from .sets import nest_sets
+from .sets import map_sets, nest_sets
 
 __all__ = ["set_batching"]
 
@@ -41,7 +41,7 @@ def set_batching(routed, host, graph, counted, route, one_by_one):
     over four chains, the HMM's blocks took several times one chain's time and lost to
     plain (docs/performance.md), the residuals of every chain's steps no longer in
     cache (a wide regression on jax 0.10: :data:`.forms.SETS_EACH_WIDTH`). The graph
-    path maps over the sets (``lax.map``) and the host path hands the whole batch to one
+    path maps over the sets (:func:`.sets.map_sets`) and the host path hands the batch to one
     callback whose tasks evaluate each set unbatched (see :func:`.tasks.run_task`): on
     both, a set's values and gradients are the bits of the unbatched program, whether
     chains are vectorized or not. A batch counts as one graph call of as many sets, as
@@ -69,7 +69,7 @@ def set_batching(routed, host, graph, counted, route, one_by_one):
                             tree, [next(it) if b else x for x, b in zip(flat, batched)])
                         return f(t1, s1, *it)
 
-                    return lax.map(one, [x for x, b in zip(flat, batched) if b] + list(extra))
+                    return map_sets(one, [x for x, b in zip(flat, batched) if b] + list(extra))
 
                 def on_graph():
                     if not one_by_one:  # an outer vmap level joins the sets

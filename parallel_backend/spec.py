@@ -371,7 +371,7 @@ class Program:
         key = program_key(blocks, diff_traced, diff_shared, in_axes, split, order)
         if key in self.cache:
             return self.cache[key]
-        if in_axes is not None and self.sets_each and order == 1:  # a lax.map over the sets
+        if in_axes is not None and self.sets_each and order == 1:  # mapped over the sets
             run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last), in_axes,
                            split)
         elif split:

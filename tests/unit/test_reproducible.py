@@ -115,12 +115,12 @@ def test_evaluation_form_follows_fn(fresh_executor, make_problem, name, form):
     assert site["form"] == form
 
 
-def each_set_alone(problem, args, got, assert_identical):
+def each_set_alone(problem, args, got, assert_identical, sets=BATCH):
     """Each set of the batch ``got`` (at ``args``) is the bits it gets alone, in the graph."""
     with pb.SerialExecutor() as serial:
         f = jax.jit(jax.value_and_grad(problem.split(serial, block_rows=BLOCK_ROWS),
                                        argnums=(0, 1)))
-        for i in range(BATCH):
+        for i in range(sets):
             alone = f(*jax.tree.map(lambda x, i=i: x[i], args))
             assert_identical(jax.tree.map(lambda x, i=i: x[i], got), alone)
 
@@ -134,6 +134,21 @@ def test_looped_site_under_vmap_is_each_set_unbatched(fresh_executor, make_probl
     args = problem.batch(BATCH)
     got = evaluate(problem, fresh_executor(executor), None, batched=True)
     each_set_alone(problem, args, got, assert_identical)
+
+
+@pytest.mark.parametrize("sets", [6, 9])
+@pytest.mark.parametrize("executor", ["serial", "thread2-host"])
+def test_sets_one_at_a_time_run_in_steps_each_set_alone(fresh_executor, make_problem,
+                                                        assert_identical, executor, sets):
+    """Sets one at a time run ``SETS_AT_ONCE`` (4) to a loop step, unrolled: a batch of 6 (one
+    step and the 2 left) or 9 (a loop of two steps and the 1 left) still gives each set,
+    in order, the bits it gets alone, in the graph and on the host."""
+    problem = make_problem("hmm", n=N)
+    args = problem.batch(sets)
+    f = jax.value_and_grad(problem.split(fresh_executor(executor), block_rows=BLOCK_ROWS),
+                           argnums=(0, 1))
+    got = jax.jit(jax.vmap(f))(*args)
+    each_set_alone(problem, args, got, assert_identical, sets)
 
 
 @pytest.mark.parametrize("executor", ["serial", "thread2-host"])
