@@ -96,6 +96,7 @@ class InFlightLimit(RuntimeError):
     result (operations queued on it before it was ready). Waiting would never end."""
 
     def __init__(self, label: str, seconds: float):
+        self.label, self.seconds = label, seconds
         super().__init__(
             f"reduce_sum: {label}: no chunk finished for {seconds:.0f} s and XLA's device "
             "could not start a program: every place it keeps for programs in flight is "
@@ -103,3 +104,6 @@ class InFlightLimit(RuntimeError):
             "was ready). Wait for a result (jax.block_until_ready) before queuing many "
             "operations on it, or set jax_cpu_enable_async_dispatch to False before JAX "
             "starts.")
+
+    def __reduce__(self):  # crosses processes (a dask worker's answer) as itself
+        return type(self), (self.label, self.seconds)

@@ -37,7 +37,7 @@ import numpy as np
 from distributed import Client
 from distributed.comm.core import CommClosedError
 
-from parallel_backend.extend import ChunkError, Executor, chunks_within
+from parallel_backend.extend import ChunkError, Executor, InFlightLimit, chunks_within
 
 from . import cluster, probe
 from . import worker as remote
@@ -318,6 +318,8 @@ class DaskExecutor(Executor):
             if reply.status == OK:
                 return reply.results, (time.perf_counter() - t0 if attempt == 0 else None)
             if reply.status == ERROR:
+                if isinstance(reply.error, InFlightLimit):
+                    raise reply.error
                 raise ChunkError.wrap(reply.error, reply.error.rows, r.label, self.name)
             if reply.status == GONE:
                 raise _WorkerGone(reply.detail)

@@ -43,7 +43,8 @@ class Reply(NamedTuple):
     status : {"ok", "missing", "error", "gone"}
         ``ok``: ``results`` holds the chunk results; ``missing``: the worker needs
         the spec (``need_spec``) or data pieces (``need_shards``) first; ``error``:
-        ``fn`` raised (``error``, a ``ChunkError``); ``gone``: the worker has no state
+        ``fn`` raised (``error``, a ``ChunkError``), or the worker's chunk programs
+        could not start (``error``, an ``InFlightLimit``); ``gone``: the worker has no state
         for this executor (restarted), ``detail`` says which.
     """
 

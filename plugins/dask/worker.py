@@ -222,9 +222,8 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
     try:
         results = await loop.run_in_executor(
             None, gather, futures, [residents[t[0]].device for t in tasks], spec.label)
-    except InFlightLimit as e:
-        rows = spec.rows(tasks[0][1].first, tasks[0][1].count)
-        return Reply(ERROR, error=ChunkError.wrap(e, rows, spec.label, "dask"))
+    except InFlightLimit as e:  # the caller's queue, not fn: it arrives as itself
+        return Reply(ERROR, error=e)
     except CancelledError:
         # The worker's pool cancelled queued chunks: it is shutting down (killed, retired,
         # scaled down), not fn failing. The client hands the chunks to other workers.
