@@ -275,12 +275,10 @@ class DaskExecutor(Executor):
                 return_exceptions=True)
             lost = False
             for (addr, group), out in zip(groups.items(), outcomes):
-                if isinstance(out, ChunkError):
-                    raise out
                 if isinstance(out, (_WorkerGone, *_LOST)):
                     self._lose(addr)
                     lost = True
-                elif isinstance(out, BaseException):
+                elif isinstance(out, BaseException):  # fn failed (ChunkError), or else
                     raise out
                 else:
                     results, wall = out
@@ -317,10 +315,10 @@ class DaskExecutor(Executor):
             reply = await self._send(addr, _EVALUATE, args)
             if reply.status == OK:
                 return reply.results, (time.perf_counter() - t0 if attempt == 0 else None)
-            if reply.status == ERROR:
-                if isinstance(reply.error, InFlightLimit):
-                    raise reply.error
-                raise ChunkError.wrap(reply.error, reply.error.rows, r.label, self.name)
+            if reply.status == ERROR:  # fn's failure, or the worker's InFlightLimit as itself
+                e = reply.error
+                raise e if isinstance(e, InFlightLimit) else ChunkError.wrap(
+                    e, e.rows, r.label, self.name)
             if reply.status == GONE:
                 raise _WorkerGone(reply.detail)
             await self._install(addr, r, reply.need_spec, reply.need_shards)
