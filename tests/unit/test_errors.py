@@ -223,3 +223,17 @@ def test_non_finite_values_propagate(executor, x, fn, bad_mu, expected):
     # The next, finite evaluation is unaffected (NUTS rejects and goes on).
     value, grad = f(-3.0 if fn is log_of_shifted else 3.0)
     assert np.isfinite(value) and np.isfinite(grad)
+
+
+def test_in_flight_limit_crosses_processes_as_itself():
+    """A dask worker in another process answers ``InFlightLimit`` pickled: it must come
+    back the same type with the same message (its ``__init__`` takes two arguments, so
+    the exception's default pickling, one message, would fail to rebuild it)."""
+    import pickle
+
+    from parallel_backend.errors import InFlightLimit
+
+    sent = InFlightLimit("loglik", 12.0)
+    got = pickle.loads(pickle.dumps(sent))
+    assert type(got) is InFlightLimit
+    assert (str(got), got.label, got.seconds) == (str(sent), "loglik", 12.0)
