@@ -18,7 +18,7 @@ from .dispatch import GRAPH, HOST
 from .internals import is_tracer
 from .sets import map_sets, nest_sets
 
-__all__ = ["set_batching"]
+__all__ = ["set_batching", "tangent_batching"]
 
 
 def set_batching(routed, host, graph, counted, route, one_by_one):
@@ -110,3 +110,24 @@ def set_batching(routed, host, graph, counted, route, one_by_one):
         return lax.cond(choice == HOST, lambda o: o, counted, out)
 
     return wrapped
+
+
+def tangent_batching(evaluate):
+    """``f(traced, shared)``: ``evaluate(traced, shared, None)``, and under ``vmap`` (a batch
+    of tangents, as ``jax.hessian`` makes, or of parameter sets) ``evaluate(traced, shared,
+    set_axes)`` with every level's axis folded into one axis of sets (:func:`.sets.nest_sets`),
+    as the host path's callback flattens the levels: the graph's Hessian-vector products
+    then lay out their batch as a host task does, and have its bits."""
+
+    @custom_vmap
+    def f(traced, shared):
+        return evaluate(traced, shared, None)
+
+    @f.def_vmap
+    def rule(size, in_batched, traced, shared):
+        axes = tuple(tuple(0 if b else None for b in bs) for bs in in_batched)
+        out = nest_sets(evaluate, axes)(traced, shared)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f
+

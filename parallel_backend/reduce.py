@@ -1,11 +1,10 @@
 """``reduce_sum``: a pointwise log-likelihood, summed block by block, with a custom JVP.
 
-This module owns the public primitive: validation at the boundary (before any
-tracing; the checks are in :mod:`.arguments`), the call site's
-:class:`~parallel_backend.spec.SiteSpec`, the ``jax.custom_jvp`` that hands value and gradients to JAX autodiff (reverse and forward
-mode; second derivatives in :mod:`.second_order`), and the ``jax.pure_callback``
-through which the host path (:mod:`.host`) runs. It imports jax, numpy and the core
-modules; never NumPyro, dask or ArviZ.
+This module owns the public primitive: validation at the boundary (before any tracing;
+the checks are in :mod:`.arguments`), the call site's :class:`~parallel_backend.spec.SiteSpec`,
+the ``jax.custom_jvp`` that hands value and gradients to JAX autodiff (second derivatives:
+:mod:`.second_order`), and the ``jax.pure_callback`` through which the host path
+(:mod:`.host`) runs. It imports jax, numpy and the core modules; never NumPyro, dask or ArviZ.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import host as host_path
 from .arguments import as_leaf, check_closure, check_output, leading_size, output_dtype
-from .batching import set_batching
+from .batching import set_batching, tangent_batching
 from .blocks import (
     MIN_BLOCK_ROWS,
     BlockPlan,
@@ -146,12 +145,10 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     traced = tuple(x for x in leaves if _is_traced(x))
     route = default if choice is None else None
     if route == "host" and not traced and not any(map(_is_traced, shared_leaves)):
-        # Called eagerly (NumPyro's initialisation runs the model so): one program, done
-        # before this returns. Op by op, the ops after the callback queued behind it on
-        # XLA's device and took every slot of its in-flight limit, and the chunk programs
-        # the callback waits for, launched from the executor's threads, waited for a slot.
-        # (On the graph route the blocks' program is compiled once already, the data its
-        # argument; a program around it would hold a copy of the data as constants.)
+        # Called eagerly (NumPyro's initialisation runs the model so): one program. Op by
+        # op, the ops after the callback took every slot of XLA's in-flight limit, and the
+        # chunk programs it waits for, launched from the executor's threads, waited for one.
+        # (The graph route's blocks are one program already, the data its argument.)
         eager = state.eager_call((grainsize, "value"),
                                  lambda: _reduce(state, executor, grainsize, route, _no_derivative))
         return eager(traced, tuple(shared_leaves), choice)
@@ -218,9 +215,8 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
 
 
 def _constants(spec: SiteSpec, resident, closed) -> tuple:
-    """The conditions on the data that hold everywhere or nowhere in it, read as constants
-    on every route (:func:`.hoist.constant_conditions`), from ``closed``, ``fn`` traced on
-    one block of ``spec``'s plan."""
+    """Conditions on the data that hold in every row or in none, constants on every route
+    (:func:`.hoist.constant_conditions`), read from ``closed`` (``fn`` on one block)."""
     structs = spec.block_struct()
     with jax.enable_x64(spec.x64), jax.default_device(host_device()):
         found = conditions(closed, len(structs[0]))
@@ -275,9 +271,14 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
     def graph(traced, shared, dt, ds, set_axes=None):  # set_axes: a batch, under vmap
         return executor.graph_partials(state, traced, shared, dt, ds, set_axes)
 
+    def graph_products(traced, shared, dt, ds, tangents):  # a batch laid out as a task's
+        def evaluate(t, s, set_axes):
+            return state.program.graph_partials(state.prepared(), t, s, dt, ds, set_axes, 2)
+
+        return tangent_batching(evaluate)((*traced, *tangents[0]), (*shared, *tangents[1]))
+
     def routed(count):
-        """The partials on ``route`` (or where ``choice`` says), the graph's through
-        ``count``."""
+        """The partials on ``route`` (or where ``choice`` says), the graph's through ``count``."""
 
         def partials(traced, shared, choice, dt, ds):
             def on_graph():
@@ -305,8 +306,7 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
             return fence(combine(*parts))
         return _finish(*parts)  # partials computed eagerly: the rest as one program too
 
-    # Value and gradients (of the leaves ``dt``, ``ds`` mark) on the route; their own
-    # derivatives are per-block Hessian-vector products (see :mod:`.second_order`).
+    # Value and gradients (of the leaves ``dt``, ``ds`` mark); their tangent: product_tangent.
     @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
     def value_and_grads(traced, shared, choice, dt, ds):
         v, gs, gd = run(traced, shared, choice, dt, ds)
@@ -317,13 +317,14 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
         tt, ts = (tuple(None if isinstance(t, SymbolicZero) or not _is_float(x) else t
                         for x, t in zip(xs, ts_)) for xs, ts_ in zip(primals[:2], tangents[:2]))
         out = value_and_grads(traced, shared, choice, dt, ds)
-        if route != "host":  # the graph's (a runtime choice's too): in the caller's program
+        if route != "host" and state.program.sets_each and not state.program.is_looped:
             return out, tangent_of(blocked, dt, ds, traced, shared, tt, ts)
-        return out, host_tangent(traced, shared, choice, dt, ds, tt, ts, out)
+        return out, product_tangent(traced, shared, choice, dt, ds, tt, ts, out)
 
-    def host_tangent(traced, shared, choice, dt, ds, tt, ts, out):
-        """The tangent on the executor: per-block Hessian-vector products over the leaves
-        that have a gradient or a tangent (``ut``, ``us``), the gradients' taken out."""
+    def product_tangent(traced, shared, choice, dt, ds, tt, ts, out):
+        """The tangent: per-block Hessian-vector products over the leaves with a gradient or
+        a tangent (``ut``, ``us``), the gradients' taken out, by the same block programs on
+        every route: the same bits (not in the graph for a wide regression on jax 0.10)."""
         ut = tuple(d or t is not None for d, t in zip(dt, tt))
         us = tuple(d or t is not None for d, t in zip(ds, ts))
         some = next(t for t in (*tt, *ts) if t is not None)  # the rule runs for one at least
@@ -332,7 +333,7 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
                       for xs, ts_, u in ((traced, tt, ut), (shared, ts, us)))
 
         def apply(at, b):
-            _, hs, ht = combine(*host(*at, ut, us, b))
+            _, hs, ht = combine(*(host if route == "host" else graph_products)(*at, ut, us, b))
             return tuple(ht), tuple(hs)
 
         def twin(at, b):
@@ -365,8 +366,7 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
         return v, _dotted(v, [*zip(gd, kept(tt, dt)), *zip(gs, kept(ts, ds))])
 
     def eager_or(traced, shared, choice):
-        """``value_and_grads``; on the host route, where the primals are values (an eager
-        ``jax.grad``), one program, as an eager value is there (reduce_sum)."""
+        """``value_and_grads``, or, for an eager ``jax.grad`` on the host route, one program."""
         if route != "host" or any(map(_is_traced, (*traced, *shared, choice))):
             return value_and_grads
         # Not this one: its derivative rule holds the data (``blocked``), the site would too.

@@ -3,15 +3,16 @@
 ``reduce_sum``'s rule returns the route's gradients dotted with the tangent (first
 derivatives, bitwise on every executor); differentiating that again reaches the
 value-and-gradients evaluation, whose tangent is a Hessian-vector product. This module
-owns both ways of computing it:
+owns the product and its own derivative:
 
-* in the caller's program (:func:`tangent_of`): JAX's autodiff of ``fn`` summed block by
-  block (:func:`blocked_sum`), forward over reverse; the graph route's way, and every
-  derivative of third order or higher;
-* outside it (:func:`symmetric_product`): a product that a host callback computes (the
-  executor's block programs, see :mod:`.host`), made a linear map JAX can transpose:
-  the Hessian is symmetric, so the product is its own transpose, and reverse over
-  reverse runs on the executor as forward over reverse does.
+* :func:`symmetric_product`: a product that the site's per-block programs compute (a
+  host callback's tasks on the executor, see :mod:`.host`, or the same programs in the
+  caller's program on the graph route: the same bits), made a linear map JAX can
+  transpose: the Hessian is symmetric, so the product is its own transpose, and reverse
+  over reverse runs as forward over reverse does;
+* :func:`tangent_of`: JAX's autodiff of ``fn`` summed block by block
+  (:func:`blocked_sum`), forward over reverse, in the caller's program: the product's own
+  derivative (third order and higher).
 
 Imports jax and numpy only.
 """
@@ -77,7 +78,8 @@ def linear_zeros(like, t):
 
 def symmetric_product(apply, twin, primals, tangent):
     """``H(primals) @ tangent`` for a symmetric ``H``, computed by ``apply(primals,
-    tangent)`` outside JAX's view (a host callback), as a map JAX can differentiate.
+    tangent)`` (a host callback, or the graph's block programs), as a map JAX can
+    differentiate.
 
     For JAX the product is linear in ``tangent`` and is its own transpose, so forward and
     reverse mode both call ``apply`` (under ``vmap``, once for a batch of tangents). Its
@@ -133,7 +135,7 @@ def _dense_tangents_jvp(primals, tangents):  # without symbolic_zeros: JAX fills
 def blocked_sum(spec, resident, traced, shared):
     """``fn``'s log-density summed block by block in block order, in plain JAX (no
     callback, no barrier): full blocks together (``vmap``, or ``lax.map`` for a site
-    whose ``fn`` cannot be batched), the last partial block apart. It is what second
+    whose ``fn`` cannot be batched), the last partial block apart. It is what third
     derivatives differentiate in the caller's program."""
     plan = spec.plan
     block = spec.block_fn()

@@ -92,10 +92,6 @@ class SiteSpec(NamedTuple):
     row_loop: bool = False
     sets: str = "inside"
 
-    @property
-    def n_traced(self) -> int:
-        return sum(self.traced)
-
     def block_struct(self):
         """Shapes of one block's resident leaves, traced leaves and shared leaves."""
         rows = self.plan.block_rows
@@ -294,38 +290,36 @@ class Program:
     # -- the graph path: all blocks inside the caller's program --------------------
 
     def graph_partials(self, prepared, traced, shared, diff_traced, diff_shared,
-                       set_axes=None):
-        """Partials of every block inside the caller's XLA program: per-block values
-        and shared gradients, per-row data gradients (``N`` rows); with ``set_axes``
-        (the batched form only) for each parameter set of a batch, leading.
-
-        A nested ``jit``: inside the caller's ``jit`` it is inlined; called eagerly it is
-        still compiled as one program (op-by-op execution would round differently).
-        """
+                       set_axes=None, order: int = 1):
+        """Every block's partials inside the caller's program (a nested ``jit``, inlined
+        there; called eagerly, one compiled program: op by op would round otherwise):
+        per-block values and shared gradients, per-row data gradients (``N`` rows); with
+        ``set_axes`` for each parameter set of a batch, leading (looped: order 2 only, a
+        batch of tangents, mapped as a host task maps it). ``order``: see :meth:`_block`."""
         prepared = tuple(prepared)
         split = self.spec.tiles.tail
         # The padded last block as arrays of its own: numpy views, constants of the
         # caller's program, so XLA copies nothing per evaluation.
         tail = tuple(x[-1:] for x in prepared) if split else ()
         head = tuple(x[:-1] for x in prepared) if split else prepared
-        return self._graph_fn(tuple(diff_traced), tuple(diff_shared), set_axes)(
+        return self._graph_fn(tuple(diff_traced), tuple(diff_shared), set_axes, order)(
             head, tail, tuple(traced), tuple(shared))
 
-    def _graph_fn(self, diff_traced, diff_shared, set_axes):
-        key = ("graph", diff_traced, diff_shared, set_axes)
+    def _graph_fn(self, diff_traced, diff_shared, set_axes, order):
+        key = ("graph", diff_traced, diff_shared, set_axes, order)
         if key in self.cache:
             return self.cache[key]
         plan = self.spec.plan
-        assert set_axes is None or self.spec.form == "batched", "looped sets run one at a time"
-        axes_t = set_axes[0] if set_axes else (None,) * self.spec.n_traced
+        assert set_axes is None or self.spec.form == "batched" or order == 2, \
+            "looped sets run one at a time (a batch of tangents: mapped)"
 
         def graph(prepared, prepared_tail, traced, shared):
+            axes_t = set_axes[0] if set_axes else (None,) * len(traced)  # tangents included
             traced = tuple(pad_blocks(t, plan, block_axis(a), jnp) for t, a in zip(traced, axes_t))
-            # The inputs as opaque as they are to a host program: a barrier keeps XLA from
-            # folding the data into fn's code, a fence (.tasks.fence) from fusing the
-            # caller's computation of a parameter (exp(log_sigma), say) into a block: either
-            # would change the rounding. Data fn reads only as positions stays in view: the
-            # index pairs of a gather's batched transpose are then folded at compile time.
+            # The inputs as opaque as to a host program: a barrier keeps XLA from folding the
+            # data into fn's code, a fence (.tasks.fence) from fusing the caller's parameter
+            # arithmetic (exp(log_sigma)) into a block: either would change the rounding. Data
+            # read only as positions stays in view (a gather's index pairs fold at compile).
             prepared, prepared_tail, valid = hide_values(self.positions, prepared, prepared_tail,
                                                          jnp.asarray(self.valid))
             traced, shared = fence((traced, shared))
@@ -335,11 +329,16 @@ class Program:
                     tail = (prepared_tail, take_blocks(traced, axes_t, -1, None), valid[-1:])
                     traced, valid = take_blocks(traced, axes_t, None, -1), valid[:-1]
                 out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                   tail=tail, set_axes=set_axes)
+                                   tail=tail, set_axes=set_axes, order=order)
             else:
                 first, count = lax.optimization_barrier((jnp.int32(0), jnp.int32(plan.n_blocks)))
-                out = self.looped(prepared, traced, shared, valid, first, count, plan.n_blocks,
-                                  diff_traced, diff_shared)
+
+                def one(traced, shared):
+                    return self.looped(prepared, traced, shared, valid, first, count,
+                                       plan.n_blocks, diff_traced, diff_shared, order)
+
+                out = one(traced, shared) if set_axes is None else jax.vmap(one, set_axes)(
+                    traced, shared)
             # ...and on the way out: the caller's use of the partials is not fused into them.
             out = fence(out)
             lead = 0 if set_axes is None else 1
