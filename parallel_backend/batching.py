@@ -130,4 +130,3 @@ def tangent_batching(evaluate):
         return out, jax.tree.map(lambda _: True, out)
 
     return f
-
