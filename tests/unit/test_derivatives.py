@@ -211,6 +211,25 @@ def test_second_derivatives_run_on_the_executor(x64, make_problem, assert_close,
     assert 1000 not in sizes
 
 
+@pytest.mark.parametrize("name", ["serial", "thread2-host"])
+def test_hessian_of_a_site_that_evaluates_sets_each(monkeypatch, x64, make_problem,
+                                                    fresh_executor, assert_close, name):
+    """A batched site of ``sets="each"`` (a wide regression on jax 0.10; here the problem's
+    3 features, as in test_reproducible) takes JAX's autodiff of the blocked sum for its
+    second derivatives in the graph and the executor's products on a host route: both
+    equal plain's Hessian."""
+    from parallel_backend import forms
+
+    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    problem = make_problem("logistic", n=1000)
+    ex = fresh_executor(name)
+    got = jax.jit(jax.hessian(problem.split(ex, block_rows=BLOCK_ROWS), argnums=1))(
+        *problem.args)
+    assert ex.stats()["sites"][0]["sets"] == "each"
+    want = jax.jit(jax.hessian(problem.unsplit(), argnums=1))(*problem.args)
+    assert_close(got, want, rtol=RTOL)
+
+
 def test_device_executor_forward_mode(x64, make_problem, assert_close, assert_identical):
     """The device map's graph route: hessian equal to plain, jvp equal to the serial one."""
     problem = make_problem("random_effects", n=1000)
