@@ -38,8 +38,9 @@ from .blocks import BlockPlan, TilePlan, cpu_count, row_bytes, xla_threads
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
 from .dispatch import GRAPH, HOST, Choice, Slots, carried, choose
 from .errors import ChunkError, InFlightLimit, check_count
-from .executors.base import Executor, gather, site_stats
+from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
+from .guards import fence, gather, hide, hide_bounds
 from .internals import is_tracer
 from .sets import unblock
 from .site import SiteState, run_eagerly
@@ -50,7 +51,6 @@ from .tasks import (
     Resident,
     Task,
     block_axis,
-    fence,
     host_device,
     pad_blocks,
     run_chunk,
@@ -85,6 +85,8 @@ __all__ = [
     "even_slots",
     "fence",
     "gather",
+    "hide",
+    "hide_bounds",
     "host_device",
     "is_tracer",
     "pad_blocks",

@@ -24,9 +24,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .blocks import YNN_REDUCE, xla_threads
+from .guards import hide
 from .internals import CALLS, LAPACK, SCAN, Literal, jaxprs_in_params
 
 __all__ = ["FORMS", "blocks_pool", "detect_form", "form_of", "hide_values", "index_leaves",
@@ -289,11 +289,11 @@ def index_leaves(closed, leaves) -> tuple:
 
 
 def hide_values(positions, prepared, tail, valid) -> tuple:
-    """``(prepared, tail, valid)`` behind one optimization barrier, but for the leaves
-    that ``positions`` (from :func:`index_leaves`) marks: those XLA may see."""
+    """``(prepared, tail, valid)`` behind guard ``hide`` (:func:`.guards.hide`), but for the
+    leaves that ``positions`` (from :func:`index_leaves`) marks: those XLA may see."""
     pick = [k for k, p in enumerate(positions) if not p]
-    hidden, hidden_tail, valid = lax.optimization_barrier(
-        ([prepared[k] for k in pick], [tail[k] for k in pick] if tail else [], valid))
+    hidden, hidden_tail, valid = hide(
+        [prepared[k] for k in pick], [tail[k] for k in pick] if tail else [], valid)
     prepared, tail = list(prepared), list(tail)
     for j, k in enumerate(pick):
         prepared[k] = hidden[j]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.extend.core as _jex
+from jax.custom_batching import custom_vmap as _custom_vmap
 
 __all__ = [
     "CALLS",
@@ -27,6 +28,7 @@ __all__ = [
     "DebugInfo",
     "Jaxpr",
     "Literal",
+    "custom_vmap",
     "is_tracer",
     "jaxpr_as_fun",
     "jaxprs_in_params",
@@ -40,6 +42,11 @@ jaxprs_in_params = _jex.jaxprs_in_params
 #: (``jax.extend.core``): the hoisted part of a likelihood and the part left per call.
 Jaxpr, ClosedJaxpr, DebugInfo = _jex.Jaxpr, _jex.ClosedJaxpr, _jex.DebugInfo
 jaxpr_as_fun = _jex.jaxpr_as_fun
+
+#: A function with its own batching rule (``jax.custom_batching``, marked experimental):
+#: the rules by which a site evaluates a batch of parameter sets (:mod:`.batching`) and
+#: the fence (:mod:`.guards`) stay one program under ``vmap``.
+custom_vmap = _custom_vmap
 
 # Primitive names, as ``eqn.primitive.name`` gives them: JAX exports no constants.
 #: The loop over a sequence (an HMM's forward algorithm).

@@ -34,13 +34,14 @@ from .dispatch import HOST, current_slot
 from .errors import check_count
 from .executors.registry import resolve_executor
 from .forms import form_of, row_reduce_cap, row_reduce_elements, scan_reduce_per_row, sets_form
+from .guards import fence, one_program
 from .hoist import conditions, constant_conditions
 from .identity import site_key, snapshot
 from .internals import is_tracer
 from .second_order import blocked_sum, kept, linear_zeros, merge, symmetric_product, tangent_of
 from .site import SiteState, run_eagerly
 from .spec import SiteSpec
-from .tasks import combine, fence, host_device, pad_blocks
+from .tasks import combine, host_device, pad_blocks
 from .traced import computes
 
 __all__ = ["reduce_sum"]
@@ -157,11 +158,12 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     return call(traced, tuple(shared_leaves), choice)
 
 
-@jax.jit
-def _finish(values, shared_grads, data_grads):
-    """``fence(combine(...))`` of partials computed eagerly: one compiled program (cached by
-    shapes) where op by op each addition and the fence compiled apart; the same bits."""
+def _combined(values, shared_grads, data_grads):
     return fence(combine(values, shared_grads, data_grads))
+
+
+#: ``fence(combine(...))`` of partials computed eagerly, as one program (guard ``one_program``).
+_finish = one_program(_combined)
 
 
 def _no_derivative(*args):
@@ -295,12 +297,7 @@ def _reduce(state, executor, grainsize, route, blocked, grads=False):
     partials = set_batching(routed, host, graph, counted, route, state.spec.sets == "each")
 
     def run(traced, shared, choice, dt, ds):
-        # A fence on the way out, on every route: without one XLA fused the caller's use
-        # of the value and gradients (a sampler's leapfrog arithmetic) into the in-graph
-        # evaluation's program but not into a host callback's, and rounded it differently
-        # (NUTS, one chain, jax 0.12: draws parted after ~20 iterations; a descent's step
-        # contracted to an FMA or not, jax 0.10). An optimization barrier did not hold:
-        # XLA removes it before it fuses.
+        # A fence on the way out, on every route (guard ``fence``).
         parts = partials(traced, shared, choice, dt, ds)
         if any(map(_is_traced, jax.tree.leaves(parts))):
             return fence(combine(*parts))

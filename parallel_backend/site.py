@@ -20,6 +20,7 @@ from collections import OrderedDict
 import jax
 
 from .chunking import AdaptiveChunker
+from .guards import one_program
 from .identity import frozen
 from .spec import Program, SiteSpec
 from .tasks import Resident, host_device
@@ -134,12 +135,11 @@ class SiteState:
         return self.host
 
     def eager_call(self, key, make, **jit_options):
-        """``jax.jit(make())`` made once per ``key`` and kept (:attr:`eager`), as a call
-        that waits for its result: an eager call on the host route is one program (see
-        ``reduce_sum``)."""
+        """``make()`` compiled as one program (guard ``one_program``), made once per ``key``
+        and kept (:attr:`eager`), as a call that waits for its result."""
         fn = self.eager.get(key)
         if fn is None:
-            fn = self.eager.setdefault(key, jax.jit(make(), **jit_options))
+            fn = self.eager.setdefault(key, one_program(make(), **jit_options))
         return lambda *args: jax.block_until_ready(fn(*args))
 
     def release(self) -> None:

@@ -27,11 +27,12 @@ from jax import lax
 from .blocks import BlockPlan, TilePlan
 from .errors import TracedElsewhere
 from .forms import blocks_pool, hide_values, index_leaves
+from .guards import after, fence, hide_bounds
 from .hoist import Split, calls_fn, known_function, split_known, traced_block, unknown_function
 from .identity import owned
 from .second_order import kept, merge
 from .sets import each_set, over_blocks, unblock
-from .tasks import Partials, block_axis, fence, host_device, pad_blocks, program_key, take_blocks
+from .tasks import Partials, block_axis, host_device, pad_blocks, program_key, take_blocks
 from .traced import computes
 
 __all__ = ["Program", "SiteSpec"]
@@ -251,12 +252,10 @@ class Program:
         if tail is None:
             return out
 
-        def last():  # after the others where two kernels at once hang XLA's pool (.forms;
-            return run(*tail, True)  # gp, 200,000 groups): a cond on them waits, a barrier not
+        def last():  # after the others where fn holds LAPACK kernels: guard ``after``
+            return run(*tail, True)
 
-        done = out.values.ravel()[-1] if self.blocks_pool else None
-        # ``done == done`` on purpose (PLR0124): a predicate that waits for ``out``
-        last = lax.cond(done == done, last, last) if self.blocks_pool else last()  # noqa: PLR0124
+        last = after(out.values, last) if self.blocks_pool else last()
         axis = 0 if set_axes is None else 1
         return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
 
@@ -316,9 +315,7 @@ class Program:
         def graph(prepared, prepared_tail, traced, shared):
             axes_t = set_axes[0] if set_axes else (None,) * len(traced)  # tangents included
             traced = tuple(pad_blocks(t, plan, block_axis(a), jnp) for t, a in zip(traced, axes_t))
-            # The inputs as opaque as to a host program: a barrier keeps XLA from folding the
-            # data into fn's code, a fence (.tasks.fence) from fusing the caller's parameter
-            # arithmetic (exp(log_sigma)) into a block: either would change the rounding. Data
+            # The inputs as opaque as to a host program (guards ``hide`` and ``fence``): data
             # read only as positions stays in view (a gather's index pairs fold at compile).
             prepared, prepared_tail, valid = hide_values(self.positions, prepared, prepared_tail,
                                                          jnp.asarray(self.valid))
@@ -331,7 +328,7 @@ class Program:
                 out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
                                    tail=tail, set_axes=set_axes, order=order)
             else:
-                first, count = lax.optimization_barrier((jnp.int32(0), jnp.int32(plan.n_blocks)))
+                first, count = hide_bounds(0, plan.n_blocks)
 
                 def one(traced, shared):
                     return self.looped(prepared, traced, shared, valid, first, count,

@@ -19,22 +19,19 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
-from .blocks import tree_sum, xla_threads
+from .blocks import tree_sum
 from .errors import ChunkError
+from .guards import pin, pool_gate
 
 __all__ = [
-    "POOL_SLOTS",
     "ChunkResult",
     "Evaluation",
     "Partials",
     "Resident",
     "Task",
     "combine",
-    "fence",
     "host_device",
     "pad_blocks",
     "program_key",
@@ -66,53 +63,12 @@ class Partials(NamedTuple):
     data_grads: tuple
 
     def pinned(self, on: bool = True) -> Partials:
-        """These partials, bit for bit, beside a small integer matrix product (``on``).
-        XLA:CPU compiles a ``while`` loop that reads little memory and holds no matrix
-        product as one kernel (``SmallWhileLoopHoistingPass``); a block in such a loop
-        of the caller's (NUTS on small data, a ``scan``) rounded unlike the same block in
-        a host chunk program. The product (it selects nothing: never negative) keeps any
-        loop around a block out of that path, on every route."""
+        """These partials, bit for bit, beside the small product of guard ``pin``
+        (:func:`.guards.pin`); ``on=False``: as they are."""
         if not on:
             return self
-        keep = _product_test(self.values)
-
-        def pin(x):
-            k = keep.reshape(keep.shape + (1,) * (jnp.ndim(x) - keep.ndim))
-            return jnp.where(k, x, jnp.nan)
-
-        return Partials(pin(self.values), tuple(pin(g) for g in self.shared_grads),
-                        self.data_grads)
-
-
-def _product_test(x):
-    """``True`` for each element of ``x``, from a small integer product XLA cannot fold."""
-    flag = (x == x).astype(jnp.int32)  # noqa: PLR0124 - data XLA cannot fold
-    grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
-    product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))
-    return product[..., 0, 0] >= 0
-
-
-@custom_vmap
-def fence(tree):
-    """``tree`` as it is, through a conditional XLA cannot remove (predicate
-    :func:`_product_test`, other branch NaN): a fusion boundary. XLA expands an
-    optimization barrier before it fuses, so the caller's arithmetic on a result (a
-    leapfrog step ``p + eps * g``) could fuse into the in-graph evaluation and round
-    otherwise (an FMA or not) than after a host callback. Under ``vmap`` it stays one
-    conditional over the batch (mapped, a conditional becomes a ``select``)."""
-    if not (leaves := [x for x in jax.tree.leaves(tree) if jnp.size(x)]):
-        return tree
-
-    def broken(t):
-        return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan)
-                            if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
-
-    return jax.lax.cond(_product_test(jnp.ravel(leaves[0])[0]), lambda t: t, broken, tree)
-
-
-@fence.def_vmap
-def _fence_batch(axis_size, in_batched, tree):
-    return fence(tree), in_batched[0]
+        values, shared_grads = pin(self.values, *self.shared_grads)
+        return Partials(values, tuple(shared_grads), self.data_grads)
 
 
 def combine(values, shared_grads, data_grads):
@@ -323,14 +279,6 @@ def program_key(blocks: int, diff_traced, diff_shared, in_axes, split: bool,
     return (blocks, diff_traced, diff_shared, in_axes, split, order)
 
 
-#: Chunk programs that may block a thread of XLA's CPU pool (``Program.blocks_pool``:
-#: batched LAPACK kernels) run at most this many at a time in this process, so that one
-#: pool thread always stays free to do the work they wait for; otherwise as many of them
-#: as the pool has threads wait for each other forever. Process-wide, as the pool is.
-POOL_SLOTS = max(1, xla_threads() - 1)
-_POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
-
-
 def run_task(task: Task) -> ChunkResult:
     """Evaluate ``task`` on the calling thread, with one compiled call: one ``vmap`` over
     its blocks in the batched form, one loop over them in the looped form; under a batch
@@ -338,11 +286,10 @@ def run_task(task: Task) -> ChunkResult:
     that mapped over the sets (:func:`.sets.map_sets`), as in the graph path."""
     program, resident, chunk, ev = task.program, task.resident, task.chunk, task.evaluation
     spec = program.spec
-    gate = _POOL_GATE if program.blocks_pool else contextlib.nullcontext()
     try:
         # The same precision and device on every thread, so every thread hits the same
         # compiled function (a pure_callback's thread has a default device set).
-        with gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
+        with pool_gate(program.blocks_pool), jax.enable_x64(spec.x64), jax.default_device(resident.device):
             t0 = time.perf_counter()  # after the gate: the chunker wants compute time
             out = jax.device_get(_call(program, resident, chunk, ev))
             seconds = time.perf_counter() - t0

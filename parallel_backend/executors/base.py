@@ -16,71 +16,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-import jax
 import numpy as np
 
 from .. import dispatch as _dispatch
 from ..counting import GraphCounter
-from ..errors import InFlightLimit
+from ..guards import gather
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
 
-__all__ = ["DISPATCH_MODES", "Executor", "gather"]
+__all__ = ["DISPATCH_MODES", "Executor"]
 
 DISPATCH_MODES = ("auto", "graph", "host")
-
-#: Seconds a host-route evaluation waits with no chunk finishing before it asks whether
-#: XLA's device can still start a program, and how long that question waits for its
-#: answer (see :func:`gather`).
-STALL_SECONDS = 2.0
-PROBE_SECONDS = 8.0
-
-
-def gather(futures, devices, label: str) -> list:
-    """The results of ``futures`` (chunk tasks running on this process's threads, the
-    ``i``-th on ``devices[i]``), in order, as ``[f.result() for f in futures]``.
-
-    A chunk program waits for a place among those XLA's device keeps for programs in
-    flight. Where all are held by programs that wait for this evaluation's result (the
-    caller queued operations on it before it was ready), none ever frees, and the host
-    callback would wait forever. So where no chunk finishes for ``STALL_SECONDS``, a
-    program of one addition is started on each device a pending chunk runs on; if one
-    cannot start within ``PROBE_SECONDS``, :class:`~parallel_backend.errors.InFlightLimit`
-    is raised instead of waiting. A chunk that is merely slow (compiling, or a long
-    evaluation) leaves places free, and the wait goes on.
-    """
-    results, seen = [], 0
-    for future in futures:
-        while True:
-            try:
-                results.append(future.result(timeout=STALL_SECONDS))
-                break
-            except TimeoutError:
-                finished = sum(f.done() for f in futures)
-                if finished == seen:  # nothing finished for STALL_SECONDS: can they start?
-                    stuck = {d for f, d in zip(futures, devices) if not f.done()}
-                    if not all(_starts(d, PROBE_SECONDS) for d in stuck) and \
-                            sum(f.done() for f in futures) == finished:
-                        raise InFlightLimit(label, STALL_SECONDS + PROBE_SECONDS) from None
-                seen = finished
-    return results
-
-
-_ADD_ONE = jax.jit(lambda x: x + 1)
-
-
-def _starts(device, seconds: float) -> bool:
-    """Whether a one-addition program starts and ends on ``device`` within ``seconds``
-    (on a thread of its own, left to finish on its own where it cannot start)."""
-    ended = threading.Event()
-
-    def run():
-        jax.block_until_ready(_ADD_ONE(jax.device_put(np.int32(0), device)))
-        ended.set()
-
-    threading.Thread(target=run, name="pb-inflight-probe", daemon=True).start()
-    return ended.wait(seconds)
-
 
 class Executor:
     """Base class of every executor.

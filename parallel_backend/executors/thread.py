@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..blocks import cpu_count
 from ..errors import check_count
+from ..guards import gather
 from ..tasks import run_task
-from .base import Executor, gather
+from .base import Executor
 
 __all__ = ["ThreadExecutor"]
 

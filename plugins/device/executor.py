@@ -39,6 +39,8 @@ from parallel_backend.extend import (
     even_slots,
     fence,
     gather,
+    hide,
+    hide_bounds,
     is_tracer,
     pad_blocks,
     run_eagerly,
@@ -273,9 +275,8 @@ class DeviceExecutor(Executor):
         lead = 0 if set_axes is None else 1
 
         def run(prepared, traced, shared, valid):
-            # As on the serial graph path: a barrier keeps XLA from specialising fn on the
-            # data, a fence from fusing the caller's parameter computations into a block.
-            prepared, valid = lax.optimization_barrier((prepared, valid))
+            # As on the serial graph path: guards ``hide`` and ``fence``.
+            prepared, valid = hide(prepared, valid)
             traced, shared = fence((traced, shared))
             if state.spec.form == "batched":
                 traced = tuple(jnp.moveaxis(t, 0, block_axis(a)) for t, a in zip(traced, axes_t))
@@ -286,7 +287,7 @@ class DeviceExecutor(Executor):
             else:
                 me = lax.axis_index(AXIS)
                 count = jnp.clip(layout.n_blocks - me * layout.per_device, 0, layout.per_device)
-                first, count = lax.optimization_barrier((jnp.int32(0), count.astype(jnp.int32)))
+                first, count = hide_bounds(0, count)
                 out = program.looped(prepared, traced, shared, valid, first, count,
                                      layout.per_device, diff_traced, diff_shared)
             return fence(out)

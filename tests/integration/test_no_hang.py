@@ -61,10 +61,10 @@ def test_a_second_fit_in_the_same_process_finishes():
 QUEUED = textwrap.dedent("""
     import distributed, jax, jax.numpy as jnp, numpy as np
     import parallel_backend as pb
-    from parallel_backend.executors import base
+    from parallel_backend import guards
     from benchmarks.likelihoods import LIKELIHOODS
 
-    base.STALL_SECONDS, base.PROBE_SECONDS = float(STALL), 2.0
+    guards.STALL_SECONDS, guards.PROBE_SECONDS = float(STALL), 2.0
     fn, data, params = LIKELIHOODS["hmm_1k"][0](1_000, np.float32)
     x = jnp.ones(1_000_000, np.float32)
     slow = jax.jit(lambda x: jax.lax.fori_loop(0, 100, lambda i, x: jnp.sin(x) + 0.5, x)

@@ -473,11 +473,11 @@ def test_gather_waits_for_slow_chunks_while_the_device_can_start_programs(monkey
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from parallel_backend.executors import base
+    from parallel_backend import guards
 
-    monkeypatch.setattr(base, "STALL_SECONDS", 0.1)
-    monkeypatch.setattr(base, "PROBE_SECONDS", 0.5)
+    monkeypatch.setattr(guards, "STALL_SECONDS", 0.1)
+    monkeypatch.setattr(guards, "PROBE_SECONDS", 0.5)
     device = jax.devices("cpu")[0]
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(lambda s=s: (time.sleep(s), s)[1]) for s in (1.2, 0.0, 0.6)]
-        assert base.gather(futures, [device] * 3, "slow") == [1.2, 0.0, 0.6]
+        assert guards.gather(futures, [device] * 3, "slow") == [1.2, 0.0, 0.6]

@@ -11,7 +11,8 @@ import pytest
 
 import parallel_backend as pb
 from helpers import regression_data
-from parallel_backend.tasks import Partials, fence
+from parallel_backend.guards import fence
+from parallel_backend.tasks import Partials
 
 
 def normal(rows, a, b, s):  # no ``where`` anywhere: nothing else keeps the loop apart

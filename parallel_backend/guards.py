@@ -1,0 +1,267 @@
+"""Every device that steers XLA or its runtime, in one place.
+
+Two promises rest on how XLA compiles and runs programs, not only on what they compute:
+
+* **the same bits on every route**: a block computed inside the caller's program (the
+  graph route), in a host chunk program on a worker thread or process, or on a device
+  must round the same way, so XLA must compile the block's arithmetic alike in all of
+  them;
+* **a host route that never hangs**: chunk programs launched from inside a host callback
+  need room on XLA's CPU runtime while the caller's program waits for them.
+
+Today's XLA (jaxlib 0.10 and 0.12) breaks each in a few known ways. Each guard below
+answers one of them; :data:`GUARDS` names it and says which. ``tests/unit/test_guards.py``
+holds, per guard, a case that fails, naming the guard, when the guard is removed (or when
+XLA no longer does what it answers: then the guard can go). :func:`disabled` turns guards
+off for those tests; nothing else may use it.
+
+Imports jax, numpy, :mod:`.blocks` (the pool's size), :mod:`.errors` and :mod:`.internals`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .blocks import xla_threads
+from .errors import InFlightLimit
+from .internals import custom_vmap
+
+__all__ = [
+    "GUARDS",
+    "POOL_SLOTS",
+    "after",
+    "disabled",
+    "enabled",
+    "fence",
+    "gather",
+    "hide",
+    "hide_bounds",
+    "one_program",
+    "pin",
+    "pool_gate",
+]
+
+#: Each guard and the behaviour of XLA it answers.
+GUARDS = {
+    "pin": "XLA:CPU compiles a small while loop that reads little memory and holds no "
+           "matrix product as one kernel (SmallWhileLoopHoistingPass); a block evaluated "
+           "in such a loop of the caller's (NUTS on small data, a scan over parameter "
+           "sets) then rounds unlike the same block in a host chunk program",
+    "fence": "XLA fuses the caller's arithmetic on a result (a leapfrog step p + eps * g) "
+             "into the in-graph evaluation that made it, but not into a host callback's "
+             "result, and rounds the two differently (an FMA or not); an optimization "
+             "barrier does not hold: XLA removes it before it fuses",
+    "hide": "XLA folds data it can see (constants of the caller's program) into the "
+            "block's code and may evaluate functions of it at compile time with other "
+            "code than a host chunk program, which receives the data at run time",
+    "hide_bounds": "XLA specializes a loop over blocks whose bounds are constants "
+                   "(unrolls or peels it) unlike the host chunk program, whose bounds "
+                   "are arguments",
+    "after": "two batched LAPACK kernels (Cholesky, triangular solve) running at once in "
+             "one program each hand work to XLA's CPU pool and block their pool thread "
+             "until it is done: on a pool of two threads they wait for each other forever",
+    "pool_gate": "the same LAPACK kernels in chunk programs on several threads: as many "
+                 "of them at once as XLA's CPU pool has threads wait for each other "
+                 "forever",
+    "stall_probe": "a host callback's chunk programs wait for a place among those XLA "
+                   "keeps for programs in flight; where the caller queued operations on "
+                   "the callback's result before it was ready, those places never free "
+                   "and the callback would wait forever",
+    "one_program": "op by op (outside jit), each operation compiles as a program of its "
+                   "own: the partials' additions and the fence round unlike the same "
+                   "operations inside one compiled program, and on the host route the "
+                   "operations queued after a callback take every place XLA keeps for "
+                   "programs in flight, so the callback's chunk programs never start",
+}
+
+_disabled: set = set()
+
+
+def enabled(name: str) -> bool:
+    """Whether guard ``name`` is on (it always is, but inside :func:`disabled`)."""
+    return name not in _disabled
+
+
+@contextlib.contextmanager
+def disabled(*names: str):
+    """A block in which the guards ``names`` are off, process-wide: programs traced (and
+    chunk programs compiled) inside it are built without them. For the tests that show
+    what each guard answers; never for users.
+
+    Examples
+    --------
+    >>> with disabled("pin"):
+    ...     enabled("pin")
+    False
+    >>> enabled("pin")
+    True
+    """
+    unknown = sorted(set(names) - set(GUARDS))
+    if unknown:
+        raise ValueError(f"unknown guard(s) {unknown}; known: {sorted(GUARDS)}")
+    before = set(_disabled)
+    _disabled.update(names)
+    try:
+        yield
+    finally:
+        _disabled.clear()
+        _disabled.update(before)
+
+
+# -- guards in the compiled programs ---------------------------------------------------
+
+
+def _product_test(x):
+    """``True`` for each element of ``x``, from a small integer matrix product XLA cannot
+    fold (its operand depends on ``x``)."""
+    flag = (x == x).astype(jnp.int32)  # noqa: PLR0124 - data XLA cannot fold
+    grid = jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 3
+    product = jnp.matmul(grid, grid * flag[..., None, None] + (1 - flag[..., None, None]))
+    return product[..., 0, 0] >= 0
+
+
+def pin(values, *arrays):
+    """``(values, arrays)`` bit for bit, beside a small integer matrix product: guard
+    ``pin``. The product (it selects nothing: never negative) keeps any loop around a
+    block out of the small-loop kernel path, on every route. ``arrays`` have the leading
+    axes of ``values``."""
+    if not enabled("pin"):
+        return values, arrays
+    keep = _product_test(values)
+
+    def pinned(x):
+        k = keep.reshape(keep.shape + (1,) * (jnp.ndim(x) - keep.ndim))
+        return jnp.where(k, x, jnp.nan)
+
+    return pinned(values), tuple(pinned(a) for a in arrays)
+
+
+@custom_vmap
+def _fenced(tree):
+    if not (leaves := [x for x in jax.tree.leaves(tree) if jnp.size(x)]):
+        return tree
+
+    def broken(t):
+        return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan)
+                            if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
+
+    return lax.cond(_product_test(jnp.ravel(leaves[0])[0]), lambda t: t, broken, tree)
+
+
+@_fenced.def_vmap
+def _fenced_batch(axis_size, in_batched, tree):
+    # Mapped, a conditional becomes a select of both branches: one conditional over the
+    # batch instead.
+    return _fenced(tree), in_batched[0]
+
+
+def fence(tree):
+    """``tree`` as it is, through a conditional XLA cannot remove (its predicate a small
+    product, its other branch NaN): a fusion boundary, guard ``fence``."""
+    return _fenced(tree) if enabled("fence") else tree
+
+
+def hide(*trees):
+    """``trees`` behind one optimization barrier: guard ``hide`` (data XLA must not see)."""
+    if not enabled("hide"):
+        return trees
+    return lax.optimization_barrier(trees)
+
+
+def hide_bounds(first: int, count: int):
+    """``(first, count)`` as int32 values XLA cannot see: guard ``hide_bounds``."""
+    first, count = jnp.int32(first), jnp.asarray(count).astype(jnp.int32)
+    if not enabled("hide_bounds"):
+        return first, count
+    return lax.optimization_barrier((first, count))
+
+
+def after(done, run):
+    """``run()``, made to wait for ``done`` (an array the program computes first): guard
+    ``after``, where two LAPACK kernels must not run at once."""
+    if not enabled("after"):
+        return run()
+    flag = jnp.ravel(done)[-1]
+    # ``flag == flag`` on purpose: a predicate XLA must compute first, true but for NaN,
+    # where both branches are the same anyway.
+    return lax.cond(flag == flag, run, run)  # noqa: PLR0124
+
+
+def one_program(fn, **jit_options):
+    """``jax.jit(fn)`` (guard ``one_program``): partials computed eagerly are finished in
+    one compiled program, as they are inside the caller's."""
+    if not enabled("one_program"):
+        return fn
+    return jax.jit(fn, **jit_options)
+
+
+# -- guards of the host route's runtime ------------------------------------------------
+
+#: Chunk programs that may block a thread of XLA's CPU pool (batched LAPACK kernels) run
+#: at most this many at a time in this process, so one pool thread always stays free to
+#: do the work they wait for. Process-wide, as the pool is.
+POOL_SLOTS = max(1, xla_threads() - 1)
+_POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
+
+
+def pool_gate(blocks_pool: bool):
+    """The context a chunk program runs in: guard ``pool_gate`` where it ``blocks_pool``."""
+    if blocks_pool and enabled("pool_gate"):
+        return _POOL_GATE
+    return contextlib.nullcontext()
+
+
+#: Seconds a host-route evaluation waits with no chunk finishing before it asks whether
+#: XLA's device can still start a program, and how long that question waits.
+STALL_SECONDS = 2.0
+PROBE_SECONDS = 8.0
+
+
+def gather(futures, devices, label: str) -> list:
+    """``[f.result() for f in futures]`` (chunk tasks on this process's threads, the
+    ``i``-th on ``devices[i]``), with guard ``stall_probe``: where no chunk finishes for
+    :data:`STALL_SECONDS`, a program of one addition is started on each device a pending
+    chunk runs on; if one cannot start within :data:`PROBE_SECONDS`,
+    :class:`~parallel_backend.errors.InFlightLimit` is raised instead of waiting forever.
+    A chunk that is merely slow (compiling, a long evaluation) leaves places free, and
+    the wait goes on."""
+    if not enabled("stall_probe"):
+        return [f.result() for f in futures]
+    results, seen = [], 0
+    for future in futures:
+        while True:
+            try:
+                results.append(future.result(timeout=STALL_SECONDS))
+                break
+            except TimeoutError:
+                finished = sum(f.done() for f in futures)
+                if finished == seen:  # nothing finished for STALL_SECONDS: can they start?
+                    stuck = {d for f, d in zip(futures, devices) if not f.done()}
+                    if not all(_starts(d, PROBE_SECONDS) for d in stuck) and \
+                            sum(f.done() for f in futures) == finished:
+                        raise InFlightLimit(label, STALL_SECONDS + PROBE_SECONDS) from None
+                seen = finished
+    return results
+
+
+_ADD_ONE = jax.jit(lambda x: x + 1)
+
+
+def _starts(device, seconds: float) -> bool:
+    """Whether a one-addition program starts and ends on ``device`` within ``seconds``.
+    It runs on a daemon thread of its own, left to finish on its own where it cannot
+    start (it then holds nothing but a place in XLA's queue)."""
+    ended = threading.Event()
+
+    def run():
+        jax.block_until_ready(_ADD_ONE(jax.device_put(np.int32(0), device)))
+        ended.set()
+
+    threading.Thread(target=run, name="pb-inflight-probe", daemon=True).start()
+    return ended.wait(seconds)
