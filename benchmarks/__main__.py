@@ -35,7 +35,7 @@ def _common(p, likelihoods: str | None, rounds: int | None, loop: bool = True) -
     if loop:
         p.add_argument("--loop", type=int, default=None,
                        help="evaluations per timed call, in one compiled loop (default: "
-                            "parallel_backend.dispatch.LOOP; 1: isolated jitted calls)")
+                            "parallel_backend.routes.LOOP; 1: isolated jitted calls)")
         p.add_argument("--scale", type=float, default=1.0, help="multiply every row count by this")
 
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     if getattr(args, "loop", 0) is None:
-        from parallel_backend.dispatch import LOOP
+        from parallel_backend.routes import LOOP
 
         args.loop = LOOP
     if args.command == "scaling" and args.child:

@@ -4,7 +4,7 @@ Plain is ``value_and_grad`` of ``fn(data, *params).sum()``, the log-density NumP
 differentiates; every other variant is ``value_and_grad`` of
 ``pb.reduce_sum(fn, data, *params)`` on one executor. The parameters are traced
 arguments and every output is used: each timed call runs ``loop`` evaluations in one
-compiled loop (``parallel_backend.dispatch.in_a_loop``, as a sampler evaluates a
+compiled loop (``parallel_backend.routes.in_a_loop``, as a sampler evaluates a
 log-density; ``loop=1``: isolated jitted calls), and the record gives seconds per
 evaluation. Variants are warmed up (compiled, the chunker settled) and timed in
 interleaved rounds by the timing module ``pb.profile`` uses
@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 import parallel_backend as pb
-from parallel_backend.dispatch import LOOP, in_a_loop
 from parallel_backend.plugins.numpyro.profile_timing import medians, time_interleaved, warm_up
+from parallel_backend.routes import LOOP, in_a_loop
 
 from . import likelihoods, records
 from .likelihoods import LIKELIHOODS, MAKERS, parameter_sets

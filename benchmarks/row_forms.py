@@ -3,9 +3,9 @@
 
     taskset -c 0-3 python -m benchmarks.row_forms mixture_200k,mixture:1000000
 
-``looped`` forces blocks that loop (``forms.ROW_REDUCE_LOOP_THREADS`` lifted), ``batched``
-one batch of blocks (``forms.ROW_REDUCE_LOOP_ROWS`` lifted); per gradient, parameters
-traced, in one compiled loop (``dispatch.LOOP``), medians of interleaved rounds."""
+``looped`` forces blocks that loop (``analysis.ROW_REDUCE_LOOP_THREADS`` lifted), ``batched``
+one batch of blocks (``analysis.ROW_REDUCE_LOOP_ROWS`` lifted); per gradient, parameters
+traced, in one compiled loop (``routes.LOOP``), medians of interleaved rounds."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 import parallel_backend as pb
-from parallel_backend import forms
-from parallel_backend.dispatch import LOOP
+from parallel_backend import analysis
+from parallel_backend.routes import LOOP
 
 from .gradients import compiled, parse_likelihoods, time_variants
 
@@ -40,12 +40,12 @@ def _one(model, make, n) -> None:
         ex = pb.SerialExecutor()
         executors.append(ex)
         f = timed(lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex))
-        keep = getattr(forms, knob)
-        setattr(forms, knob, 1 << 30)
+        keep = getattr(analysis, knob)
+        setattr(analysis, knob, 1 << 30)
         try:
             jax.block_until_ready(f(*params))  # the site, and its form, made now
         finally:
-            setattr(forms, knob, keep)
+            setattr(analysis, knob, keep)
         variants[name] = (f, ex)
     med = time_variants(variants, params, 5, LOOP)
     made = [s["form"] for ex in executors for s in ex.stats()["sites"]]

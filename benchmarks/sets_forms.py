@@ -3,11 +3,11 @@ parameter sets on ``ThreadExecutor()`` against plain NumPyro's batch, on this st
 
     python -m benchmarks.sets_forms [ROWS [WIDTHS [SETS]]]    # 200000 4,8,20,40,80 4
 
-``inside``: the sets inside the blocks (``forms.SETS_EACH_WIDTH`` 0); ``each``: one set
+``inside``: the sets inside the blocks (``analysis.SETS_EACH_WIDTH`` 0); ``each``: one set
 at a time (``SETS_EACH_WIDTH`` 1); ``rule``: which of the two a site picks by itself on
 this stack (a third, identical program is not timed: in one process a repeat of a
 program measured up to a quarter apart from its first copy). Per
-gradient of every set, parameters traced, in one compiled loop (``dispatch.LOOP``),
+gradient of every set, parameters traced, in one compiled loop (``routes.LOOP``),
 medians of interleaved rounds, float32."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 import parallel_backend as pb
-from parallel_backend import forms
-from parallel_backend.dispatch import LOOP
+from parallel_backend import analysis
+from parallel_backend.routes import LOOP
 
 from .gradients import compiled, time_variants
 from .likelihoods import logistic, parameter_sets
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     widths = [int(w) for w in args[1].split(",")] if len(args) > 1 else [4, 8, 20, 40, 80]
     sets = int(args[2]) if len(args) > 2 else 4
     print(f"jax {jax.__version__}, logistic regression, {rows:,} rows, {sets} sets, "
-          f"ThreadExecutor(), ratio to plain (SETS_EACH_WIDTH here: {forms.SETS_EACH_WIDTH})")
+          f"ThreadExecutor(), ratio to plain (SETS_EACH_WIDTH here: {analysis.SETS_EACH_WIDTH})")
     for width in widths:
         _width(rows, width, sets)
 
@@ -47,12 +47,12 @@ def _width(rows: int, width: int, sets: int) -> None:
     for name, knob in (("inside", 0), ("each", 1)):
         ex = pb.ThreadExecutor()
         f = timed(lambda *p, ex=ex: pb.reduce_sum(fn, data, *p, executor=ex))
-        keep = forms.SETS_EACH_WIDTH
-        forms.SETS_EACH_WIDTH = knob
+        keep = analysis.SETS_EACH_WIDTH
+        analysis.SETS_EACH_WIDTH = knob
         try:
             jax.block_until_ready(f(*params))  # the site, and its layout, made now
         finally:
-            forms.SETS_EACH_WIDTH = keep
+            analysis.SETS_EACH_WIDTH = keep
         variants[name] = (f, ex)
     with pb.SerialExecutor() as ex:  # the rule's pick, untimed
         jax.block_until_ready(timed(lambda *p: pb.reduce_sum(fn, data, *p, executor=ex))(*params))

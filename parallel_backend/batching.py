@@ -1,115 +1,210 @@
-"""A site under ``vmap`` (vectorized chains): how a batch of parameter sets is evaluated.
+"""Vectorized chains: how a site evaluates a batch of parameter sets under ``vmap``.
 
-This module owns :func:`set_batching`, the ``custom_vmap`` that decides it: a site whose
-spec says ``sets="each"`` (a looped site, whose ``fn`` holds a ``scan``, and on jax
-before 0.12 a wide regression; see :func:`.forms.sets_form`) evaluates one parameter set
-at a time; any other evaluates the whole batch with the sets inside its blocks (see
-:mod:`.sets`), on every route. Imports jax only.
+This module owns the batching rules (``custom_vmap``) of a site and the layouts they use:
+
+* **sets inside the blocks** (:func:`over_blocks`, the default): a batch is one
+  evaluation of every set, the blocks outside and the sets mapped inside each block,
+  the shared leaves broadcast over the blocks, on every route (the graph, every host
+  chunk, every device), so a set's bits do not depend on where it ran (they may differ
+  from the same set evaluated alone). :func:`nest_sets` keeps that layout under nested
+  ``vmap``, folding each level into one axis of sets, as the host callback flattens them.
+  Two choices, both measured (docs/performance.md): the shared leaves are broadcast over
+  the blocks (a linear predictor ``X @ beta`` then becomes a dot batched over the blocks,
+  laid out with the sets before the rows), and the sets map inside the blocks, not
+  outside them;
+* **one set at a time** (:func:`map_sets`, :func:`each_set`), for a site whose spec says
+  ``sets="each"`` (a looped site, whose ``fn`` holds a ``scan``, and on jax before 0.12 a
+  wide regression: :func:`.analysis.sets_form`): each set is the unbatched program, so
+  its bits are those of the set alone, a few sets to a loop step so that XLA can run
+  them side by side;
+* :func:`site_batching`, the ``custom_vmap`` through which a site's route evaluates a
+  batch (each route's rule is its own: :meth:`.routes.Route.batched`), and
+  :func:`tangent_batching`, which lays out a batch of tangents (``jax.hessian``) as a
+  host task does.
+
+Imports jax, :mod:`.blocks` (the block axis) and :mod:`.internals`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_batching import custom_vmap
 
-from .dispatch import GRAPH, HOST
-from .internals import is_tracer
-from .sets import map_sets, nest_sets
+from .blocks import block_axis
+from .internals import custom_vmap, is_tracer
 
-__all__ = ["set_batching", "tangent_batching"]
+__all__ = ["SETS_AT_ONCE", "Again", "each_set", "map_sets", "nest_sets", "over_blocks",
+           "site_batching", "tangent_batching", "unblock"]
+
+#: Sets one at a time run this many to a loop step, unrolled (see :func:`map_sets`).
+SETS_AT_ONCE = 4
 
 
-def set_batching(routed, host, graph, counted, route, one_by_one):
-    """The partials of a site that, under ``vmap`` (vectorized chains), evaluate one
-    parameter set at a time (``one_by_one``) or with the sets inside the blocks, on
-    every route.
+def over_blocks(block, prepared, traced, shared, valid, set_axes=None):
+    """``block(prepared, traced, shared, valid)`` of one block, for every block of the
+    arrays (leading axis of ``prepared`` and ``valid``; of ``traced`` after any set
+    axis).
 
-    ``routed(count)`` gives the site's unbatched partials on ``route`` (or where the
-    traced choice says when ``route`` is ``None``), the graph's passed through
-    ``count``; ``host`` the host path's; ``graph(traced, shared, dt, ds, set_axes)`` the
-    graph path's, batched; ``counted`` adds the graph counter.
+    ``set_axes``: ``None`` (one parameter set: ``shared`` as it is), or
+    ``(axes_traced, axes_shared)``, ``0`` for a leaf with a leading axis of parameter
+    sets and ``None`` for one without: ``shared`` is then broadcast over the blocks and
+    the sets mapped inside them, and the outputs lead with the sets: ``(sets, blocks,
+    ...)``.
+    """
+    if set_axes is None:
+        return jax.vmap(block, in_axes=(0, 0, None, 0))(tuple(prepared), tuple(traced),
+                                                        tuple(shared), valid)
+    n = valid.shape[0]
+    spread = tuple(jnp.broadcast_to(s, (n,) + jnp.shape(s)) for s in shared)
+    axes_t, axes_s = set_axes
 
-    With the sets inside, a batch is one evaluation of every set, its blocks with the sets
-    inside (see :mod:`.sets`), on the graph as on the host path (whose chunk programs
-    lay it out the same way), so a set's bits do not depend on the route. A per-set
-    choice (a ``vmap`` over choices, as a user's chain transform may make) maps over
-    the sets, each unbatched.
+    def one_block(p, t, s, v):
+        return jax.vmap(lambda t, s: block(p, t, s, v), in_axes=(axes_t, axes_s))(t, s)
 
-    One by one: the looped form runs one block's ``scan`` per loop iteration; batched
-    over four chains, the HMM's blocks took several times one chain's time and lost to
-    plain (docs/performance.md), the residuals of every chain's steps no longer in
-    cache (a wide regression on jax 0.10: :data:`.forms.SETS_EACH_WIDTH`). The graph
-    path maps over the sets (:func:`.sets.map_sets`) and the host path hands the batch to one
-    callback whose tasks evaluate each set unbatched (see :func:`.tasks.run_task`): on
-    both, a set's values and gradients are the bits of the unbatched program, whether
-    chains are vectorized or not. A batch counts as one graph call of as many sets, as
-    it does with the sets inside."""
+    out = jax.vmap(one_block, in_axes=(0, tuple(block_axis(a) for a in axes_t), 0, 0))(
+        tuple(prepared), tuple(traced), spread, valid)
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), out)
 
-    def wrapped(traced, shared, choice, dt, ds):
-        def make(count):
-            single = routed(count)
 
-            @custom_vmap
-            def each(t, s, c):
-                return single(t, s, c, dt, ds)
+def each_set(one, in_axes, split: bool = False):
+    """``f(prepared, traced, shared, *rest)``: ``one`` (an unbatched chunk program) on each
+    parameter set of the batch in turn, the leaves ``in_axes`` maps taken per set; with
+    ``split``, ``rest`` is ``(valid, tail)`` and the tail's traced leaves are taken too."""
+    axes_t, axes_s = in_axes
 
-            @each.def_vmap
-            def rule(size, in_batched, t, s, c):
-                bt, bs, bc = in_batched
-                axes = (tuple(0 if b else None for b in bt), tuple(0 if b else None for b in bs))
-                flat, tree = jax.tree_util.tree_flatten((t, s))
-                batched = jax.tree_util.tree_leaves((bt, bs))
+    def run(prepared, traced, shared, *rest):
+        tail_t = tuple(rest[1][1]) if split else ()
+        leaves = (*traced, *shared, *tail_t)
+        axes = axes_t + axes_s + (axes_t if split else ())
 
-                def per_set(f, *extra):
-                    def one(members):
-                        it = iter(members)
-                        t1, s1 = jax.tree_util.tree_unflatten(
-                            tree, [next(it) if b else x for x, b in zip(flat, batched)])
-                        return f(t1, s1, *it)
+        def member(mapped):
+            it = iter(mapped)
+            mine = [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
+            t, s = tuple(mine[:len(traced)]), tuple(mine[len(traced):len(traced) + len(shared)])
+            if split:
+                rest_m = (rest[0], (rest[1][0], tuple(mine[len(traced) + len(shared):]),
+                                    rest[1][2]))
+                return one(prepared, t, s, *rest_m)
+            return one(prepared, t, s, *rest)
 
-                    return map_sets(one, [x for x, b in zip(flat, batched) if b] + list(extra))
+        return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
 
-                def on_graph():
-                    if not one_by_one:  # an outer vmap level joins the sets
-                        return nest_sets(lambda t1, s1, ax: graph(t1, s1, dt, ds, ax),
-                                         axes)(t, s)
-                    # Through ``each``: an outer vmap level maps again.
-                    graph_choice = None if route is not None else jnp.int32(GRAPH)
-                    return count(per_set(lambda t1, s1: uncounted(t1, s1, graph_choice)))
+    return run
 
-                def on_host():
-                    return jax.vmap(lambda t1, s1: host(t1, s1, dt, ds), in_axes=axes)(t, s)
 
-                if route == "host":
-                    out = on_host()
-                elif route == "graph":
-                    out = on_graph()
-                elif any(jax.tree_util.tree_leaves(bc)):  # a choice per set
-                    out = per_set(each, c)
-                else:
-                    out = lax.cond(c == HOST, on_host, on_graph)
-                return out, jax.tree.map(lambda _: True, out)
+def map_sets(f, xs):
+    """``f(members)`` for each parameter set, ``members`` the set's slices of ``xs`` (leaves
+    with a leading axis of sets), outputs stacked: ``lax.map`` with :data:`SETS_AT_ONCE`
+    sets to a step, unrolled, so that XLA can run them side by side (each set the same
+    program as alone, so the same bits); a batch of that many or fewer has no loop."""
+    size = xs[0].shape[0]
+    k = min(size, SETS_AT_ONCE)
 
-            return each
+    def step(group):
+        return _stacked([f([x[i] for x in group]) for i in range(len(group[0]))])
 
+    whole = size - size % k
+    if whole == k:
+        parts = [step([x[:k] for x in xs])]
+    else:
+        looped = lax.map(step, [x[:whole].reshape((whole // k, k) + x.shape[1:]) for x in xs])
+        parts = [jax.tree.map(lambda y: y.reshape((whole,) + y.shape[2:]), looped)]
+    if whole < size:
+        parts.append(step([x[whole:] for x in xs]))
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *y: jnp.concatenate(y), *parts)
+
+
+def _stacked(outs):
+    return jax.tree.map(lambda *y: jnp.stack(y), *outs)
+
+
+def nest_sets(evaluate, set_axes):
+    """``f(traced, shared)``: ``evaluate(traced, shared, set_axes)`` (outputs leading
+    with the sets), which under a further ``vmap`` folds that level's axis into the
+    sets (outer major, as the host path flattens them) instead of mapping around them,
+    so that a nested ``vmap`` evaluates every set as one batch on every route."""
+
+    @custom_vmap
+    def f(traced, shared):
+        return evaluate(traced, shared, set_axes)
+
+    @f.def_vmap
+    def rule(size, in_batched, traced, shared):
+        bt, bs = in_batched
+        axes_t, axes_s = set_axes
+        inner = next(x.shape[1 if b else 0] for x, a, b in
+                     zip(traced + shared, axes_t + axes_s, bt + bs) if a == 0)
+
+        def fold(x, outer, axis):
+            if not outer and axis is None:
+                return x, None
+            if not outer:
+                x = jnp.broadcast_to(x, (size,) + x.shape)
+            elif axis is None:
+                x = jnp.broadcast_to(x[:, None], (size, inner) + x.shape[1:])
+            return x.reshape((size * inner,) + x.shape[2:]), 0
+
+        ft = [fold(x, b, a) for x, b, a in zip(traced, bt, axes_t)]
+        fs = [fold(x, b, a) for x, b, a in zip(shared, bs, axes_s)]
+        folded = nest_sets(evaluate, (tuple(a for _, a in ft), tuple(a for _, a in fs)))
+        out = folded(tuple(x for x, _ in ft), tuple(x for x, _ in fs))
+        out = jax.tree.map(lambda x: x.reshape((size, inner) + x.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f
+
+
+def unblock(g, n_rows: int, lead: int = 0):
+    """``(*sets, blocks, block_rows, *rest)`` per-row gradients back to ``(*sets, N, *rest)``
+    (``lead``: 1 with a leading axis of parameter sets, else 0)."""
+    g = g.reshape(g.shape[:lead] + (g.shape[lead] * g.shape[lead + 1],) + g.shape[lead + 2:])
+    return g[(slice(None),) * lead + (slice(0, n_rows),)]
+
+
+class Again(NamedTuple):
+    """A site's batching functions ``f(traced, shared, choice)``, as a route's batching
+    rule maps over parameter sets with them: ``counted`` counts each evaluation where the
+    route counts, ``uncounted`` never (where the caller counts the batch once)."""
+
+    counted: object
+    uncounted: object
+
+
+def site_batching(route, wrt):
+    """``f(traced, shared, choice)``: ``route.partials``, whose batching rule under
+    ``vmap`` (vectorized chains) is the route's own (:meth:`.routes.Route.batched`): one
+    evaluation of every set with the sets inside the blocks, on every route, or, for a
+    site of ``sets="each"``, each set alone, the bits of the unbatched program."""
+
+    def make(r):
+        @custom_vmap
+        def f(traced, shared, choice):
+            return r.partials(traced, shared, choice, wrt)
+
+        @f.def_vmap
+        def rule(size, in_batched, traced, shared, choice):
+            bt, bs, bc = in_batched
+            axes = (tuple(0 if b else None for b in bt), tuple(0 if b else None for b in bs))
+            out = r.batched(traced, shared, choice, wrt, axes,
+                            any(jax.tree_util.tree_leaves(bc)), again)
+            return out, jax.tree.map(lambda _: True, out)
+
+        return f
+
+    again = Again(make(route), make(route.uncounted()))
+
+    def partials(traced, shared, choice):
         if not any(is_tracer(x) for x in jax.tree_util.tree_leaves((traced, shared, choice))):
-            # Called eagerly, outside any vmap: the unbatched partials, as they are (through
-            # the custom_vmap, a DeviceExecutor's shard_map with count_calls=True failed to
-            # lower: "Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
-            return routed(counted)(traced, shared, choice, dt, ds)
-        uncounted = make(lambda out: out)
-        if one_by_one:
-            return make(counted)(traced, shared, choice)
-        # With the sets inside, a site counts where it did before it had a custom_vmap:
-        # outside it, the counter's callback batched by vmap (a call of every set).
-        out = uncounted(traced, shared, choice)
-        if route is not None:
-            return counted(out) if route == "graph" else out
-        return lax.cond(choice == HOST, lambda o: o, counted, out)
+            # Called eagerly, outside any vmap: the partials as they are (through the
+            # custom_vmap, a DeviceExecutor's shard_map that counted failed to lower:
+            # "Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
+            return route.partials(traced, shared, choice, wrt)
+        return again.counted(traced, shared, choice)
 
-    return wrapped
+    return partials
 
 
 def tangent_batching(evaluate):

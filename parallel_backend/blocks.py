@@ -24,16 +24,20 @@ import os
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "BlockPlan",
     "TilePlan",
     "balance_blocks",
+    "block_axis",
     "cpu_count",
     "looped_blocks",
+    "pad_blocks",
     "plan_blocks",
     "plan_tiles",
     "row_bytes",
+    "take_blocks",
     "tree_sum",
     "xla_threads",
 ]
@@ -380,3 +384,32 @@ def plan_tiles(plan: BlockPlan, batched: bool = True, threads: int | None = None
     wide = -(-MIN_TILE_ROWS // max(plan.block_rows, 1))
     tile = max(MIN_TILE_BLOCKS, threads, wide)
     return TilePlan(plan.n_blocks, max(1, min(tile, plan.n_blocks)), plan.tail_rows > 0)
+
+
+# -- rows laid out in blocks ----------------------------------------------------------
+
+
+def block_axis(set_axis) -> int:
+    """Where a leaf's block axis is: after its set axis (``0``), else first."""
+    return 1 if set_axis == 0 else 0
+
+
+def take_blocks(traced, set_axes, start, stop):
+    """Blocks ``[start:stop]`` of each traced leaf (its block axis after any set axis)."""
+    return tuple(x[:, start:stop] if a == 0 else x[start:stop] for x, a in zip(traced, set_axes))
+
+
+def pad_blocks(x, plan, axis: int = 0, xp=np):
+    """Rows of ``x`` on ``axis`` padded (copies of the last row) to whole blocks and
+    reshaped to ``(blocks, block_rows)`` there. ``xp`` is numpy or jax.numpy."""
+    n, rows = plan.n_rows, plan.block_rows
+    n_blocks = plan.n_full + (1 if plan.tail_rows else 0)  # plan.n_blocks, inlined: hot
+    total = n_blocks * rows
+    if total > n:
+        last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is not np else x.take([n - 1],
+                                                                                      axis=axis)
+        shape = list(x.shape)
+        shape[axis] = total - n
+        x = xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
+    shape = x.shape[:axis] + (n_blocks, rows) + x.shape[axis + 1:]
+    return x.reshape(shape)

@@ -34,25 +34,23 @@ device has no place left for programs in flight, it raises ``InFlightLimit`` ins
 waiting forever.
 """
 
-from .blocks import BlockPlan, TilePlan, cpu_count, row_bytes, xla_threads
+from .batching import unblock
+from .blocks import BlockPlan, TilePlan, block_axis, cpu_count, pad_blocks, row_bytes, xla_threads
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
-from .dispatch import GRAPH, HOST, Choice, Slots, carried, choose
 from .errors import ChunkError, InFlightLimit, check_count
 from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
 from .guards import fence, gather, hide, hide_bounds
 from .internals import is_tracer
-from .sets import unblock
-from .site import SiteState, run_eagerly
-from .spec import Program, SiteSpec
+from .routes import GRAPH, HOST, Choice, Slots, carried, choose
+from .site import SiteState
+from .spec import Program, SiteSpec, run_eagerly
 from .tasks import (
     ChunkResult,
     Evaluation,
     Resident,
     Task,
-    block_axis,
     host_device,
-    pad_blocks,
     run_chunk,
     run_task,
 )

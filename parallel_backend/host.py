@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .blocks import block_axis, pad_blocks
 from .chunking import fixed_chunks
 from .errors import ChunkError
-from .tasks import Evaluation, Task, block_axis, pad_blocks
+from .tasks import Evaluation, Task
 
 __all__ = ["assemble", "callback", "evaluate", "partials", "unbatch"]
 

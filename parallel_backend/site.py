@@ -22,23 +22,15 @@ import jax
 from .chunking import AdaptiveChunker
 from .guards import one_program
 from .identity import frozen
-from .spec import Program, SiteSpec
+from .spec import Program, SiteSpec, run_eagerly
 from .tasks import Resident, host_device
 
-__all__ = ["MAX_SITES", "MAX_SITE_BYTES", "SiteCache", "SiteState", "run_eagerly"]
+__all__ = ["MAX_SITES", "MAX_SITE_BYTES", "SiteCache", "SiteState"]
 
 #: An executor keeps at most this many sites, and prepared data of at most this many
 #: bytes (the most recent site always stays), least recently used out first.
 MAX_SITES = 64
 MAX_SITE_BYTES = 4 * 2 ** 30
-
-
-def run_eagerly(fn, *args):
-    """``fn(*args)`` on concrete values, also while a caller's function is traced
-    (``jax.ensure_compile_time_eval``): preparing a site's data is data work done once,
-    never a part of the traced program."""
-    with jax.ensure_compile_time_eval():
-        return fn(*args)
 
 
 class SiteState:

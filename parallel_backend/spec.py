@@ -24,18 +24,54 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .blocks import BlockPlan, TilePlan
+from .analysis import (
+    Split,
+    blocks_pool,
+    computes,
+    conditions,
+    constant_conditions,
+    form_of,
+    index_leaves,
+    known_function,
+    row_reduce_cap,
+    row_reduce_elements,
+    scan_reduce_per_row,
+    sets_form,
+    split_known,
+    unknown_function,
+)
+from .batching import each_set, over_blocks, unblock
+from .blocks import (
+    MIN_BLOCK_ROWS,
+    BlockPlan,
+    TilePlan,
+    balance_blocks,
+    block_axis,
+    looped_blocks,
+    pad_blocks,
+    plan_blocks,
+    plan_tiles,
+    take_blocks,
+)
 from .errors import TracedElsewhere
-from .forms import blocks_pool, hide_values, index_leaves
-from .guards import after, fence, hide_bounds
-from .hoist import Split, calls_fn, known_function, split_known, traced_block, unknown_function
+from .guards import after, fence, hide, hide_bounds
 from .identity import owned
-from .second_order import kept, merge
-from .sets import each_set, over_blocks, unblock
-from .tasks import Partials, block_axis, host_device, pad_blocks, program_key, take_blocks
-from .traced import computes
+from .internals import is_tracer, jaxpr_as_fun
+from .tasks import Partials, host_device, program_key
 
-__all__ = ["Program", "SiteSpec"]
+__all__ = ["Program", "SiteSpec", "kept", "make_spec", "merge", "run_eagerly"]
+
+def kept(xs, mask) -> list:
+    """The entries of ``xs`` that ``mask`` marks, in order."""
+    return [x for x, m in zip(xs, mask) if m]
+
+
+def merge(full, subset, mask) -> tuple:
+    """``full`` with the entries ``mask`` marks taken from ``subset``, in order."""
+    it = iter(subset)
+    return tuple(next(it) if m else x for x, m in zip(full, mask))
+
+
 
 class SiteSpec(NamedTuple):
     """The static description of one ``reduce_sum`` call site (picklable with cloudpickle).
@@ -389,6 +425,139 @@ class Program:
         fn = jax.jit(run)
         with self._lock:
             return self.cache.setdefault(key, fn)
+
+
+def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
+              label=None, balance=True, resident=None) -> SiteSpec:
+    """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
+    a trace of ``fn`` on one block), the tile plan, and, with the default block size, the
+    form's own blocks: batched, no larger than :func:`~.forms.row_reduce_cap` allows and
+    evened out; looped, :func:`~.blocks.looped_blocks`; and the conditions on the
+    resident rows read as constants."""
+    traced = tuple(is_tracer(x) for x in leaves)
+    row_avals = tuple((tuple(jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in leaves)
+    shared_avals = tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in shared_leaves)
+    label = label or getattr(fn, "__name__", type(fn).__name__)
+    draft = SiteSpec(fn, data_treedef, shared_treedef, traced, row_avals, shared_avals, plan,
+                     TilePlan(plan.n_blocks, 1), "batched", str(np.dtype(value_dtype)),
+                     bool(x64), label)
+    resident_s, traced_s, shared_s = draft.block_struct()
+    block, rows = draft.block_fn(), draft.plan.block_rows
+
+    def trace(n):  # fn on a block of ``n`` rows
+        return jax.make_jaxpr(block)(*draft._replace(plan=BlockPlan(n, n, 1, 0))
+                                     .block_struct())
+
+    with jax.enable_x64(x64):
+        closed = jax.make_jaxpr(block)(resident_s, traced_s, shared_s)
+        form, row_loop = form_of(closed, rows, fixed=not balance)
+        if form == "batched" and not _batchable(block, resident_s, traced_s, shared_s):
+            form = "looped"
+        if balance and form == "looped":
+            per_row = (row_reduce_elements(closed, rows) if row_loop
+                       else scan_reduce_per_row(closed, rows, trace))
+            plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize, per_row)
+    if balance and form == "batched":  # smaller blocks where fn reduces within rows
+        cap = row_reduce_cap(closed, rows)
+        if cap and max(cap, MIN_BLOCK_ROWS) < plan.block_rows:
+            plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
+        plan = balance_blocks(plan)
+    spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"),
+                          row_loop=row_loop, sets=sets_form(closed, rows, form))
+    if resident is None:
+        resident = [x for x, t in zip(leaves, traced) if not t]
+    # fn on one block of the spec's plan, as every process traces it
+    with jax.enable_x64(x64), jax.default_device(host_device()):
+        closed = jax.make_jaxpr(spec.block_fn())(*spec.block_struct())
+        digest = computes(closed)
+    return spec._replace(constants=_constants(spec, resident, closed), computes=digest)
+
+
+def _constants(spec: SiteSpec, resident, closed) -> tuple:
+    """Conditions on the data that hold in every row or in none, constants on every route
+    (:func:`.hoist.constant_conditions`), read from ``closed`` (``fn`` on one block)."""
+    structs = spec.block_struct()
+    with jax.enable_x64(spec.x64), jax.default_device(host_device()):
+        found = conditions(closed, len(structs[0]))
+        if not found:  # the data are padded into blocks only where there is a condition
+            return ()
+        blocks = [pad_blocks(np.asarray(x), spec.plan) for x in resident]
+        try:
+            return run_eagerly(constant_conditions, closed, len(structs[0]), blocks, found)
+        except Exception:  # noqa: BLE001 - a shortcut only: without it every route reads them
+            return ()
+
+
+def _batchable(block, resident, traced, shared) -> bool:
+    """Whether ``fn`` can be ``vmap``-ed over blocks (a callback without a
+    ``vmap_method`` cannot); otherwise its blocks are looped over."""
+
+    def stack(structs):
+        return [jax.ShapeDtypeStruct((2,) + s.shape, s.dtype) for s in structs]
+
+    try:
+        jax.eval_shape(jax.vmap(block, in_axes=(0, 0, None)), stack(resident), stack(traced),
+                       shared)
+    except Exception:  # noqa: BLE001 - any failure to batch means: loop instead
+        return False
+    return True
+
+
+def run_eagerly(fn, *args):
+    """``fn(*args)`` on concrete values, also while a caller's function is traced
+    (``jax.ensure_compile_time_eval``): preparing a site's data is data work done once,
+    never a part of the traced program."""
+    with jax.ensure_compile_time_eval():
+        return fn(*args)
+
+
+def traced_block(spec):
+    """``fn``'s jaxpr on one block of ``spec``, traced now: a new function each time, as
+    JAX keeps the trace of a function it traced before (and would answer with what
+    ``fn`` computed then)."""
+    return jax.make_jaxpr(spec.block_fn())(*spec.block_struct())
+
+
+def calls_fn(spec, resident, raw, closed=None):
+    """``f(raw, residuals, traced, shared) -> pointwise``: ``fn`` on one block, for a site
+    with nothing hoisted. Only the resident leaves ``fn`` reads are kept (``raw``); the
+    others are zeros of their shape, which ``fn`` never reads.
+
+    ``closed`` is ``fn``'s jaxpr on one block as the site's key describes it (checked
+    against ``spec.computes`` when the site's program was made). A chunk shape compiled
+    later traces ``fn`` again, and what ``fn`` reads besides its arguments may have
+    changed since in this process: on a dask worker, a class sent by value with another
+    site's ``fn`` is the same class object there, its attributes set to the other
+    site's. Each such trace compares what ``fn`` computes now with the key, and where
+    they differ it evaluates ``closed``, what the site computed when it was made, instead
+    of returning another site's number."""
+    block = spec.block_fn()
+    frozen = jaxpr_as_fun(closed) if closed is not None and spec.computes else None
+
+    def unknown(raw_leaves, residuals, traced, shared):
+        leaves = [jnp.zeros(r.shape, r.dtype) for r in resident]
+        for k, x in zip(raw, raw_leaves):
+            leaves[k] = x
+        if frozen is not None and computes(traced_block(spec)) != spec.computes:
+            (out,) = frozen(*leaves, *traced, *shared)
+            return out
+        return block(leaves, traced, shared)
+
+    return unknown
+
+
+def hide_values(positions, prepared, tail, valid) -> tuple:
+    """``(prepared, tail, valid)`` behind guard ``hide`` (:func:`.guards.hide`), but for the
+    leaves that ``positions`` (from :func:`index_leaves`) marks: those XLA may see."""
+    pick = [k for k, p in enumerate(positions) if not p]
+    hidden, hidden_tail, valid = hide(
+        [prepared[k] for k in pick], [tail[k] for k in pick] if tail else [], valid)
+    prepared, tail = list(prepared), list(tail)
+    for j, k in enumerate(pick):
+        prepared[k] = hidden[j]
+        if tail:
+            tail[k] = hidden_tail[j]
+    return tuple(prepared), tuple(tail), valid
 
 
 #: The name a traced chunk program is counted under in ``Program.traces``.

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .blocks import tree_sum
+from .blocks import take_blocks, tree_sum
 from .errors import ChunkError
 from .guards import pin, pool_gate
 
@@ -33,7 +33,6 @@ __all__ = [
     "Task",
     "combine",
     "host_device",
-    "pad_blocks",
     "program_key",
     "run_chunk",
     "run_task",
@@ -245,32 +244,6 @@ def host_device():
     if not _HOST:
         _HOST.append(jax.devices("cpu")[0])
     return _HOST[0]
-
-
-def block_axis(set_axis) -> int:
-    """Where a leaf's block axis is: after its set axis (``0``), else first."""
-    return 1 if set_axis == 0 else 0
-
-
-def take_blocks(traced, set_axes, start, stop):
-    """Blocks ``[start:stop]`` of each traced leaf (its block axis after any set axis)."""
-    return tuple(x[:, start:stop] if a == 0 else x[start:stop] for x, a in zip(traced, set_axes))
-
-
-def pad_blocks(x, plan, axis: int = 0, xp=np):
-    """Rows of ``x`` on ``axis`` padded (copies of the last row) to whole blocks and
-    reshaped to ``(blocks, block_rows)`` there. ``xp`` is numpy or jax.numpy."""
-    n, rows = plan.n_rows, plan.block_rows
-    n_blocks = plan.n_full + (1 if plan.tail_rows else 0)  # plan.n_blocks, inlined: hot
-    total = n_blocks * rows
-    if total > n:
-        last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is not np else x.take([n - 1],
-                                                                                      axis=axis)
-        shape = list(x.shape)
-        shape[axis] = total - n
-        x = xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
-    shape = x.shape[:axis] + (n_blocks, rows) + x.shape[axis + 1:]
-    return x.reshape(shape)
 
 
 def program_key(blocks: int, diff_traced, diff_shared, in_axes, split: bool,

@@ -18,9 +18,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import dispatch as _dispatch
-from ..counting import GraphCounter
+from .. import routes as _routes
 from ..guards import gather
+from ..routes import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
 
@@ -137,7 +137,7 @@ class Executor:
         """Where ``state``'s site runs where nothing was measured: ``"graph"`` or
         ``"host"`` (:func:`parallel_backend.dispatch.default_route`). Subclasses may
         override it; it must not time or compile anything (it runs while tracing)."""
-        return _dispatch.default_route(self, state)
+        return _routes.default_route(self, state)
 
     def can_use_host(self, state: SiteState) -> bool:
         """Whether the host path can pay at all for ``state``'s site: several workers and

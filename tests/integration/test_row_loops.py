@@ -1,5 +1,5 @@
 """A mixture in NUTS: a ``logsumexp`` over three components within each row, whose blocks
-the package loops (``forms.detect_form``), against the plain NumPyro model.
+the package loops (``analysis.detect_form``), against the plain NumPyro model.
 
 Real ``numpyro.infer.MCMC``/``NUTS`` runs on 3,000 rows with the default blocks: the
 posterior matches plain NumPyro's, and the draws are the same bits on every executor

@@ -4,7 +4,7 @@ A likelihood may read a module's attribute (``settings.SCALE``), call a helper o
 another module that reads that module's globals, or read a class attribute. Plain
 NumPyro traces the model again for every fit and reads the new values; a site is found
 again by its key, and its key holds what ``fn`` computes on the call's blocks
-(:func:`parallel_backend.traced.computes`), so a change between two fits makes
+(:func:`parallel_backend.analysis.computes`), so a change between two fits makes
 another site. A process that traces the site again later (a dask worker that imports
 the module from its file, this process at the first host evaluation) and finds that
 ``fn`` computes something else there says so instead of returning its number.

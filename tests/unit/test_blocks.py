@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
-from parallel_backend import forms
+from parallel_backend import analysis
+from parallel_backend.analysis import (
+    ROW_REDUCE_BYTES,
+    ROW_REDUCE_LOOP_ROWS,
+    ROW_REDUCE_LOOP_THREADS,
+    row_reduce_cap,
+)
 from parallel_backend.blocks import (
     MIN_BLOCK_ROWS,
     MIN_BLOCKS,
@@ -24,12 +30,6 @@ from parallel_backend.blocks import (
     xla_threads,
 )
 from parallel_backend.chunking import AdaptiveChunker, Chunk, fixed_chunks, split_blocks
-from parallel_backend.forms import (
-    ROW_REDUCE_BYTES,
-    ROW_REDUCE_LOOP_ROWS,
-    ROW_REDUCE_LOOP_THREADS,
-    row_reduce_cap,
-)
 
 # -- plan_blocks ---------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ def test_a_few_elements_reduced_within_rows_loop_the_blocks(k, monkeypatch):
     larger ones to YNNPACK); blocks the caller fixes loop where they are that small.
     The value and gradients match the unsplit sum's, and the graph's bits match the
     host's on two threads."""
-    monkeypatch.setattr(forms, "ROW_REDUCE_LOOP_THREADS", 1 << 20)  # on any machine
+    monkeypatch.setattr(analysis, "ROW_REDUCE_LOOP_THREADS", 1 << 20)  # on any machine
     rng = np.random.default_rng(k)
     y = jnp.asarray(rng.normal(size=20_000), jnp.float32)
     mu = jnp.linspace(-1.0, 1.0, k, dtype=jnp.float32)
@@ -246,7 +246,7 @@ def test_on_more_threads_a_reduction_within_rows_stays_batched(monkeypatch):
     this machine's), the mixture's blocks stay one batch, which spreads the reduction
     over every thread as plain's program does; value and gradients still match the
     unsplit sum's, and the graph's bits the host's on two threads."""
-    monkeypatch.setattr(forms, "ROW_REDUCE_LOOP_THREADS", xla_threads() - 1)
+    monkeypatch.setattr(analysis, "ROW_REDUCE_LOOP_THREADS", xla_threads() - 1)
     rng = np.random.default_rng(3)
     y = jnp.asarray(rng.normal(size=20_000), jnp.float32)
     mu = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)

@@ -12,7 +12,7 @@ import numpyro.distributions as dist
 import pytest
 
 import parallel_backend as pb
-from parallel_backend.hoist import conditions, constant_conditions, split_known
+from parallel_backend.analysis import conditions, constant_conditions, split_known
 from parallel_backend.spec import Program
 
 

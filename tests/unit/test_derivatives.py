@@ -218,9 +218,9 @@ def test_hessian_of_a_site_that_evaluates_sets_each(monkeypatch, x64, make_probl
     3 features, as in test_reproducible) takes JAX's autodiff of the blocked sum for its
     second derivatives in the graph and the executor's products on a host route: both
     equal plain's Hessian."""
-    from parallel_backend import forms
+    from parallel_backend import analysis
 
-    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    monkeypatch.setattr(analysis, "SETS_EACH_WIDTH", 3)
     problem = make_problem("logistic", n=1000)
     ex = fresh_executor(name)
     got = jax.jit(jax.hessian(problem.split(ex, block_rows=BLOCK_ROWS), argnums=1))(

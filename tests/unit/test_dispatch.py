@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
-from parallel_backend.dispatch import GRAPH, HOST, MARGIN, Slots, carried, choose, default_route
 from parallel_backend.plugins.sample.tuning import ROUNDS, Tuner
+from parallel_backend.routes import GRAPH, HOST, MARGIN, Slots, carried, choose, default_route
 
 
 def hmm_like(y, a):
@@ -96,8 +96,8 @@ def test_a_scan_that_reduces_keeps_its_reductions_under_ynnpacks_threshold(state
     """The largest reduction in the scan's step reads ``rows * states**2`` elements:
     blocks stay under :data:`YNN_REDUCE` (above it XLA:CPU calls YNNPACK for it at
     every step), and the same rule holds for float64 and under ``jit``."""
+    from parallel_backend.analysis import scan_reduce_per_row
     from parallel_backend.blocks import YNN_REDUCE
-    from parallel_backend.forms import scan_reduce_per_row
 
     def trace(f, *shared):
         return lambda rows: jax.make_jaxpr(f)(jnp.zeros((rows, 5)), *shared)

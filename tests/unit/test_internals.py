@@ -11,8 +11,7 @@ import pytest
 from numpyro.infer import MCMC, NUTS
 
 from parallel_backend import internals
-from parallel_backend.forms import POOL_BLOCKING, detect_form
-from parallel_backend.hoist import CHEAP, HOST_CODE
+from parallel_backend.analysis import CHEAP, HOST_CODE, POOL_BLOCKING, detect_form
 from parallel_backend.plugins.numpyro import internals as numpyro_internals
 
 VERSION = f"jax {jax.__version__}"

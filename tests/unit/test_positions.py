@@ -10,7 +10,7 @@ import pytest
 
 import parallel_backend as pb
 from conftest import _benchmark_likelihoods
-from parallel_backend.forms import index_leaves
+from parallel_backend.analysis import index_leaves
 
 
 def positions(fn, *args):

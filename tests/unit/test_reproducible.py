@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
-from parallel_backend import forms
+from parallel_backend import analysis
 from parallel_backend.blocks import xla_threads
 
 N = 1000
@@ -107,8 +107,8 @@ def test_evaluation_form_follows_fn(fresh_executor, make_problem, name, form):
     """A ``scan`` (whose gradient keeps every step's residuals) or a reduction of a few
     elements within each row (a mixture's ``logsumexp``) runs one block at a time; a
     ``while_loop`` alone or elementwise work runs as one batch of blocks."""
-    if name == "mixture" and xla_threads() > forms.ROW_REDUCE_LOOP_THREADS:
-        form = "batched"  # many threads: the batch spreads the reduction (see forms)
+    if name == "mixture" and xla_threads() > analysis.ROW_REDUCE_LOOP_THREADS:
+        form = "batched"  # many threads: the batch spreads the reduction (see analysis)
     problem, executor = make_problem(name, n=N), fresh_executor("serial")
     evaluate(problem, executor, None)
     (site,) = executor.stats()["sites"]
@@ -196,10 +196,10 @@ def test_wide_regression_under_vmap_is_each_set_unbatched(monkeypatch, fresh_exe
                                                           make_problem, assert_identical,
                                                           assert_close, executor):
     """A batched site that contracts each row with a parameter over
-    ``forms.SETS_EACH_WIDTH`` or more elements (set here to the problem's 3 features; on
+    ``analysis.SETS_EACH_WIDTH`` or more elements (set here to the problem's 3 features; on
     jax 0.10, 8) evaluates a batch of sets one at a time, in the graph and on the host:
     each set gets the bits it gets alone, and the batch still counts as one call."""
-    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    monkeypatch.setattr(analysis, "SETS_EACH_WIDTH", 3)
     problem, ex = make_problem("logistic", n=N), fresh_executor(executor)
     args = problem.batch(BATCH)
     got = evaluate(problem, ex, None, batched=True)
@@ -217,7 +217,7 @@ def test_sets_inside_the_blocks_unless_rows_contract_wide(monkeypatch, fresh_exe
     """The layout of a batch of sets follows ``fn``: the problem's rows contract with
     ``beta`` over 3 features, so a width of 3 runs them one by one; 4 or 0 (never, as
     on jax 0.12) keeps them inside the blocks."""
-    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", width)
+    monkeypatch.setattr(analysis, "SETS_EACH_WIDTH", width)
     problem, ex = make_problem("logistic", n=N), fresh_executor("serial")
     evaluate(problem, ex, None, batched=True)
     (site,) = ex.stats()["sites"]
@@ -228,7 +228,7 @@ def test_wide_regression_under_nested_vmap_is_bitwise_the_graphs(monkeypatch, fr
                                                                  make_problem, assert_identical):
     """One set at a time under two ``vmap`` levels (``beta`` batched on the outer one, the
     intercept on the inner): the host path's bits are the graph's."""
-    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    monkeypatch.setattr(analysis, "SETS_EACH_WIDTH", 3)
     problem = make_problem("logistic", n=N)
     betas, intercepts = problem.batch(2)[1][0], problem.batch(BATCH)[1][1]
 
@@ -268,7 +268,7 @@ def test_wide_regression_with_row_parameters_each_set_alone(monkeypatch, fresh_e
                                                             assert_identical, executor):
     """One set at a time with per-row parameters batched too and a padded last block
     (1,000 rows in blocks of 64): each set's value and gradients are its bits alone."""
-    monkeypatch.setattr(forms, "SETS_EACH_WIDTH", 3)
+    monkeypatch.setattr(analysis, "SETS_EACH_WIDTH", 3)
     f, us, betas = _wide_with_row_params()
     ex = fresh_executor(executor)
     vg = jax.value_and_grad(f, argnums=(0, 1))
