@@ -20,7 +20,7 @@ Run from the repository root (the package is not installed with parallel_backend
 
 Every measuring subcommand times plain NumPyro and each variant in the same run, in
 interleaved rounds, and keeps medians, with the timing code ``pb.profile`` uses
-(``parallel_backend.plugins.numpyro.profile_timing``); ``--out FILE`` appends one record
+(``parallel_backend.plugins.numpyro.profile``); ``--out FILE`` appends one record
 per variant to ``FILE`` in the one results format (:mod:`benchmarks.records`). The
 likelihoods are :mod:`benchmarks.likelihoods`' catalogue. This ``__init__`` imports
 nothing, so that ``benchmarks.netcluster`` and ``report`` start without JAX.

@@ -8,7 +8,7 @@ compiled loop (``parallel_backend.routes.in_a_loop``, as a sampler evaluates a
 log-density; ``loop=1``: isolated jitted calls), and the record gives seconds per
 evaluation. Variants are warmed up (compiled, the chunker settled) and timed in
 interleaved rounds by the timing module ``pb.profile`` uses
-(``parallel_backend.plugins.numpyro.profile_timing``).
+(``parallel_backend.plugins.numpyro.profile``).
 
 This module owns the subcommands ``gradients``, ``device``, ``observe`` and ``scaling``
 (the last runs ``gradients``' plain and host-thread variants in one pinned process per
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 import parallel_backend as pb
-from parallel_backend.plugins.numpyro.profile_timing import medians, time_interleaved, warm_up
+from parallel_backend.plugins.numpyro.profile import medians, time_interleaved, warm_up
 from parallel_backend.routes import LOOP, in_a_loop
 
 from . import likelihoods, records

@@ -6,7 +6,7 @@ each parameter, summed by plain NumPyro (``numpyro.factor``) or by ``pb.factor``
 executor. Variants run in interleaved repeats (so drift hits all alike) and the record
 gives the median wall time. With vectorized chains, ``info`` also has the milliseconds
 per gradient of the sampling phase, timed from the end of warmup by the host timestamps
-of ``profile_timing.StampedKernel`` (the timing ``pb.profile``'s NUTS check uses): its
+of ``profile.StampedKernel`` (the timing ``pb.profile``'s NUTS check uses): its
 wall time over its gradient evaluations (each carries every chain). ``plain_1core`` is
 plain NumPyro in a child process pinned to one core (``taskset -c 0``), the reference
 of parallel efficiency. With ``--fresh`` every run is a new process: in one process the
@@ -77,7 +77,7 @@ def run_one(spec: dict, variant: str, seed: int) -> dict:
     import jax
     from numpyro.infer import HMC, MCMC, NUTS
 
-    from parallel_backend.plugins.numpyro.profile_timing import StampedKernel
+    from parallel_backend.plugins.numpyro.profile import StampedKernel
 
     if variant == "plain_1core":
         return _pinned(spec, seed)

@@ -20,7 +20,7 @@ from parallel_backend.blocks import balance_blocks
 
 # The module, not the function of the same name that the package exports.
 profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
-variants_module = importlib.import_module("parallel_backend.plugins.numpyro.profile_variants")
+variants_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
 
 
 def normal_loglik(y, mu, sigma):

@@ -120,18 +120,15 @@ def test_plots_are_drawn_from_records(bench, tmp_path):
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_harness_and_profile_share_the_timing_module(bench):
+def test_harness_and_profile_share_the_timing(bench):
     import benchmarks.gradients as harness
     from benchmarks import nuts
 
-    # The modules, not the function `profile` that the plugin package exports.
-    variants = importlib.import_module("parallel_backend.plugins.numpyro.profile_variants")
-    timing = importlib.import_module("parallel_backend.plugins.numpyro.profile_timing")
+    # The module, not the function `profile` that the plugin package exports.
+    profile = importlib.import_module("parallel_backend.plugins.numpyro.profile")
 
     for name in ("time_interleaved", "warm_up", "medians"):
-        assert getattr(harness, name) is getattr(timing, name)
-    assert variants.time_interleaved is timing.time_interleaved
-    assert variants.StampedKernel is timing.StampedKernel
+        assert getattr(harness, name) is getattr(profile, name)
     assert "StampedKernel" in inspect.getsource(nuts.run_one)
 
 
@@ -150,7 +147,7 @@ class _Settling:
 
 
 def test_warm_up_waits_for_the_chunker_and_rounds_stretch_to_the_budget():
-    from parallel_backend.plugins.numpyro.profile_timing import time_interleaved, warm_up
+    from parallel_backend.plugins.numpyro.profile import time_interleaved, warm_up
 
     ex = _Settling(5)
     assert warm_up(ex, (1.0,), ex, calls=2) == 1.0 and ex.left == 0  # 5 calls, not 2
