@@ -42,6 +42,7 @@ from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
 from .guards import fence, gather, hide, hide_bounds
 from .internals import is_tracer
+from .reduce import reduce_rows
 from .routes import GRAPH, HOST, Choice, Slots, carried, choose
 from .site import SiteState
 from .spec import Program, SiteSpec, run_eagerly
@@ -88,6 +89,7 @@ __all__ = [
     "host_device",
     "is_tracer",
     "pad_blocks",
+    "reduce_rows",
     "resolve_executor",
     "row_bytes",
     "run_chunk",

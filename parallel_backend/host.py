@@ -40,9 +40,10 @@ def assemble(program, results, batch: tuple, traced_shapes, shared_shapes):
     spec = program.spec
     p = spec.plan
     n_blocks = len(program.valid)
-    values = np.empty(batch + (n_blocks,), np.dtype(spec.value_dtype))
-    g_shared = [np.empty(batch + (n_blocks,) + s, d) for s, d in shared_shapes]
-    g_data = [np.empty(batch + (n_blocks * p.block_rows,) + s, d) for s, d in traced_shapes]
+    make = np.empty if results else np.zeros  # no results: no chunk ran (a zero product)
+    values = make(batch + (n_blocks,), np.dtype(spec.value_dtype))
+    g_shared = [make(batch + (n_blocks,) + s, d) for s, d in shared_shapes]
+    g_data = [make(batch + (n_blocks * p.block_rows,) + s, d) for s, d in traced_shapes]
     lead = (slice(None),) * len(batch)
     for res in results:
         c = res.chunk
@@ -113,13 +114,18 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     # and a chunk may run on another (a DeviceExecutor's).
     evaluation = Evaluation(blocked, tuple(np.asarray(s) for s in shared), tuple(diff_traced),
                             tuple(diff_shared), in_axes)
-    chunks = (state.chunker.chunks() if grainsize is None
-              else fixed_chunks(plan, grainsize, program.spec.tiles))
-    tasks = [Task(state, program, resident, c, evaluation) for c in chunks]
-    try:
-        results = executor.run_tasks(tasks)
-    except ChunkError as e:
-        raise ChunkError.wrap(e, e.rows, state.label, executor.name) from e.__cause__
+    if evaluation.order == 2 and not any(np.any(x) for x in _tangents(evaluation)):
+        # A product along zero: zeros, without running a chunk (a derivative rule asks for
+        # it where a cotangent is uniform: see derivatives.row_values).
+        count, results = False, []
+    else:
+        chunks = (state.chunker.chunks() if grainsize is None
+                  else fixed_chunks(plan, grainsize, program.spec.tiles))
+        tasks = [Task(state, program, resident, c, evaluation) for c in chunks]
+        try:
+            results = executor.run_tasks(tasks)
+        except ChunkError as e:
+            raise ChunkError.wrap(e, e.rows, state.label, executor.name) from e.__cause__
     wall = time.perf_counter() - t0
     busy = sum(r.seconds for r in results)
     # The chunker learns from value-and-gradient evaluations only (what sampling runs).
@@ -141,6 +147,12 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     flat_batch = (k,) if in_axes is not None else ()
     out = assemble(program, results, flat_batch, shapes_t, shapes_s)
     return _restore_batch(out, flat_batch, batch_shape)
+
+
+def _tangents(evaluation) -> tuple:
+    """The tangents of a Hessian-vector product's evaluation (after the leaves)."""
+    return (evaluation.traced[len(evaluation.diff_traced):]
+            + evaluation.shared[len(evaluation.diff_shared):])
 
 
 def _unbatched_shape(x, axis) -> tuple:

@@ -2,27 +2,32 @@
 
 NumPyro traces a model again for every ``run``, ``Predictive`` and ``log_likelihood``,
 and a model that builds its data itself (``y[:, None]``, ``x.astype(...)``) hands
-``reduce_sum`` a new array object each time. A site keyed by the array's ``id()`` was
+``reduce_sum`` a new array object each time. A site keyed by the array's ``id()`` would be
 prepared again at every trace, and forgotten when that temporary died. Here a site's
 key is made of its function (code, what it closes over and the global arrays it
-reads), what the function computes (:func:`.traced.computes`: its jaxpr on the call's
-blocks, with its constants by content), the structure, shapes and dtypes of its arguments, the
-block plan, the precision and a digest of the *content* of its resident data, so every
-trace of the same model finds the same site, and a trace that computes anything else
-(a helper redefined, a module's or a class's attribute changed) finds another.
+reads), what the function computes (:func:`.analysis.computes`: its jaxpr on the call's
+blocks, with its constants by content), the structure, shapes and dtypes of its
+arguments, the block plan, the precision and a digest of the *content* of its resident
+data, so every trace of the same model finds the same site, and a trace that computes
+anything else (a helper redefined, a module's or a class's attribute changed) finds
+another.
 
-A key is true only while what it describes cannot change. A JAX array cannot, so its
-digest is remembered while it lives (a weak reference guards against a reused ``id``).
-A NumPy array can be changed in place between two fits, so it is hashed again at every
-trace, and a site keeps a copy of it, and of the NumPy arrays its function closes over
-(:func:`snapshot`, :func:`frozen`), so that what the site holds is what its key says
-whatever the user does to the arrays afterwards. An object with attributes of its own
-(``self`` of a bound method, a configuration, a distribution closed over) is keyed by
-its class and the keys of its attributes, and copied with its NumPy arrays the same
-way, so that ``self.w[0] = 2.0`` between two fits is seen; objects of libraries that
-hold live state (clients, pools, executors, loggers, progress bars) and anything else
-are keyed by identity, and the key holds them, so that an ``id`` cannot be reused
-while the key lives. Imports jax, numpy, hashlib and the standard library.
+A key is true only while what it describes cannot change, and content is hashed as
+rarely as that allows (:func:`digest`). An array that cannot change (a JAX array, or a
+NumPy array that is read-only down to the memory it views) is hashed once while it lives
+and remembered by object, with a weak reference that guards against a reused ``id``. A
+writable NumPy array can be changed in place between two fits, so it is hashed at every
+trace (make it read-only, ``a.flags.writeable = False``, to spare that); a site keeps
+its own read-only copy of it (:func:`snapshot`), and of the NumPy arrays its function
+closes over (:func:`frozen`), made when the site is made, so that what the site holds
+is what its key says whatever the user does to the arrays afterwards. An object with
+attributes of its own (``self`` of a bound method, a configuration, a distribution
+closed over) is keyed by its class and the keys of its attributes, and copied with its
+NumPy arrays the same way, so that ``self.w[0] = 2.0`` between two fits is seen; objects
+of libraries that hold live state (clients, pools, executors, loggers, progress bars)
+and anything else are keyed by identity (:class:`Same`), which is safe because the key
+holds the object: its ``id`` cannot be reused while the key lives, and such an object is
+what it is whatever its state. Imports jax, numpy, hashlib and the standard library.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ import hashlib
 import threading
 import types
 import weakref
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-__all__ = ["digest", "frozen", "function_key", "owned", "site_key", "snapshot"]
+__all__ = ["SiteKey", "digest", "frozen", "function_key", "immutable", "owned", "site_key",
+           "snapshot"]
 
 #: How deep :func:`function_key` and :func:`frozen` follow functions, containers and
 #: callable objects (a cycle ends here too).
@@ -51,14 +58,14 @@ LIVE_PACKAGES = frozenset({"parallel_backend", "distributed", "dask", "concurren
                            "logging", "tqdm", "jax", "jaxlib"})
 
 _lock = threading.Lock()
-_memo: dict = {}  # id(jax.Array) -> (weakref to it, digest); JAX arrays only
+_memo: dict = {}  # id(array) -> (weakref to it, digest), for arrays that cannot change
 
 
 def digest(x) -> str:
     """A digest of an array's dtype, shape and bytes.
 
-    A ``jax.Array`` is hashed once while it lives (it cannot change); any other array
-    (a NumPy array can be changed in place) is hashed at every call.
+    An array that cannot change (:func:`immutable`) is hashed once while it lives; any
+    other (a writable NumPy array) at every call.
 
     Examples
     --------
@@ -69,21 +76,20 @@ def digest(x) -> str:
     >>> before == digest(np.arange(3.0)), before == digest(a)
     (True, False)
     """
-    immutable = isinstance(x, jax.Array)
-    if immutable:
+    fixed = immutable(x)
+    if fixed:
         key = id(x)
         with _lock:
             hit = _memo.get(key)
         if hit is not None and hit[0]() is x:
             return hit[1]
     a = np.ascontiguousarray(np.asarray(x))
-    # sha256: NumPy data is hashed at every trace, and with the SHA instructions of
-    # current CPUs it is the fastest of hashlib's hashes.
+    # sha256: with the SHA instructions of current CPUs the fastest of hashlib's hashes.
     h = hashlib.sha256()
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(memoryview(a).cast("B") if a.size else b"")
     out = h.hexdigest()
-    if immutable:
+    if fixed:
         try:
             ref = weakref.ref(x, functools.partial(_drop, key))
         except TypeError:  # not weakly referenceable: hashed again next time
@@ -91,6 +97,29 @@ def digest(x) -> str:
         with _lock:
             _memo[key] = (ref, out)
     return out
+
+
+def immutable(x) -> bool:
+    """Whether ``x``'s content cannot change while it lives: a JAX array, or a NumPy array
+    that is read-only and views only read-only NumPy memory (a writable base could be
+    changed through another view).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> a = np.arange(3.0)
+    >>> immutable(a), immutable(snapshot(a)), immutable(a[:2].view())
+    (False, True, False)
+    """
+    if isinstance(x, jax.Array):
+        return True
+    if not isinstance(x, np.ndarray):
+        return False
+    while isinstance(x, np.ndarray):
+        if x.flags.writeable:
+            return False
+        x = x.base
+    return x is None
 
 
 def _drop(key, ref) -> None:
@@ -101,9 +130,13 @@ def _drop(key, ref) -> None:
 
 
 def snapshot(x):
-    """``x``, or a copy of it where it can change in place (a NumPy array): what a site
-    keeps of the user's data."""
-    return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+    """``x``, or a read-only copy of it where it can change in place (a writable NumPy
+    array): what a site keeps of the user's data (and whose digest is then made once)."""
+    if not isinstance(x, np.ndarray) or immutable(x):
+        return x
+    copy_ = np.array(x, copy=True)
+    copy_.flags.writeable = False
+    return copy_
 
 
 def owned(a: np.ndarray) -> np.ndarray:
@@ -117,7 +150,8 @@ def owned(a: np.ndarray) -> np.ndarray:
 
 
 class Same:
-    """A key part that is its object, by identity; holding the object, it keeps the
+    """A key part that is its object, by identity (for what has no content to key by: a
+    function, a class, an object holding live state); holding the object, it keeps the
     object's ``id`` from being reused while the key lives."""
 
     __slots__ = ("obj",)
@@ -352,10 +386,25 @@ def _same(new, old) -> bool:
     return all(a is b for a, b in zip(new, old))
 
 
+class SiteKey(NamedTuple):
+    """The key of a ``reduce_sum`` call site (see the module docstring)."""
+
+    function: Any
+    traces: tuple
+    data_treedef: Any
+    shared_treedef: Any
+    plan: Any
+    x64: bool
+    data: tuple
+    leaf_avals: tuple
+    shared_avals: tuple
+
+
 def site_key(fn, data_treedef, shared_treedef, plan, x64: bool, resident, leaf_avals,
-             shared_avals, traces=()) -> tuple:
-    """The key of a ``reduce_sum`` call site (see the module docstring); ``resident`` are
-    the concrete data leaves, whose content is part of the key; ``traces`` are the
-    :func:`computes` digests of ``fn`` traced on the call's blocks."""
-    return (function_key(fn), tuple(traces), data_treedef, shared_treedef, plan, bool(x64),
-            tuple(digest(x) for x in resident), tuple(leaf_avals), tuple(shared_avals))
+             shared_avals, traces=()) -> SiteKey:
+    """The key of a ``reduce_sum`` call site; ``resident`` are the concrete data leaves,
+    whose content is part of the key (:attr:`SiteKey.data`, their digests); ``traces``
+    are the :func:`.analysis.computes` digests of ``fn`` traced on the call's blocks."""
+    return SiteKey(function_key(fn), tuple(traces), data_treedef, shared_treedef, plan,
+                   bool(x64), tuple(digest(x) for x in resident), tuple(leaf_avals),
+                   tuple(shared_avals))

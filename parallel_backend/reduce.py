@@ -23,16 +23,16 @@ from .blocks import (
     plan_blocks,
     row_bytes,
 )
-from .derivatives import blocked_sum, site_value
+from .derivatives import blocked_sum, row_values, site_value
 from .errors import check_count
 from .executors.registry import resolve_executor
-from .identity import site_key, snapshot
+from .identity import digest, site_key, snapshot
 from .internals import is_tracer
 from .routes import current_slot, route_of
 from .site import SiteState
 from .spec import make_spec
 
-__all__ = ["reduce_sum"]
+__all__ = ["Weighted", "reduce_rows", "reduce_sum"]
 
 
 def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None):
@@ -116,17 +116,21 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     executor = resolve_executor(executor)
     traced_mask = tuple(is_tracer(x) for x in leaves)
     x64 = bool(jax.config.jax_enable_x64)
-    # What the key hashes is what the site keeps: a NumPy leaf is copied first, so a change
-    # in place (by another thread, say) cannot part the key from the rows.
-    resident = [snapshot(x) for x, t in zip(leaves, traced_mask) if not t]
+    resident = [x for x, t in zip(leaves, traced_mask) if not t]
     key = site_key(fn, data_treedef, shared_treedef, plan, x64, resident,
                    [(jnp.shape(x), str(jnp.result_type(x)), t) for x, t in zip(leaves, traced_mask)],
                    [(jnp.shape(x), str(jnp.result_type(x))) for x in shared_leaves], traces)
 
     def make():
+        # The site keeps read-only copies of writable NumPy leaves; what it keeps must be
+        # what the key hashed (another thread may change the user's array meanwhile).
+        kept = [snapshot(x) for x in resident]
+        if tuple(digest(x) for x in kept) != key.data:
+            raise RuntimeError("reduce_sum: a data array changed while the call was traced "
+                               "(another thread wrote to it); trace the model again")
         spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
-                         value_dtype, x64, balance=block_rows is None, resident=resident)
-        return SiteState(spec, resident, executor.workers)
+                         value_dtype, x64, balance=block_rows is None, resident=kept)
+        return SiteState(spec, kept, executor.workers)
 
     state = executor.site_state(key, make)
     choice = current_slot(executor, state)
@@ -138,6 +142,78 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
         # ``one_program``).
         return state.eager_call((grainsize, "value"), lambda: site_value(route, None))(*args)
     return site_value(route, functools.partial(blocked_sum, state.spec, resident))(*args)
+
+
+def reduce_rows(fn, data, *shared, executor=None, grainsize=None, block_rows=None):
+    """``fn(data, *shared)``, the log-density of each row, evaluated as :func:`reduce_sum`
+    evaluates (in blocks, on the executor, bitwise the same on every route), with
+    derivatives that cost what ``reduce_sum``'s do where the rows are summed with equal
+    weights (:func:`.derivatives.row_values`).
+
+    ``fn`` returns an array whose leading axis is the rows, ``(rows, *rest)``. It is
+    evaluated through the site ``sum_i w_i fn(data, *shared)_i`` (:class:`Weighted`), the
+    per-row weights ``w`` a traced data leaf: the rows' values are its gradient in ``w``
+    at ``w = 1``. What an observed ``pb.observe`` site returns from ``log_prob``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.linspace(-1.0, 1.0, 5)
+    >>> rows = reduce_rows(lambda x, m: -0.5 * (x - m) ** 2, x, 0.5)
+    >>> rows.tolist()
+    [-1.125, -0.5, -0.125, 0.0, -0.125]
+    >>> float(jax.grad(lambda m: reduce_rows(lambda x, m: -0.5 * (x - m) ** 2, x, m).sum())(0.5))
+    -2.5
+    """
+    if not callable(fn):
+        raise TypeError(f"reduce_rows: fn must be callable, got {type(fn).__name__}")
+    leaves = jax.tree.leaves(data)
+    if not leaves:
+        raise ValueError("reduce_rows: data has no array leaves; it must hold the rows to split")
+    n = int(jnp.shape(leaves[0])[0]) if jnp.ndim(leaves[0]) else 0
+    out = jax.eval_shape(lambda d, s: fn(d, *s), _structs(data), _structs(shared))
+    if not out.shape or out.shape[0] != n:
+        raise ValueError(f"reduce_rows: fn must return the rows' values, an array of leading "
+                         f"size {n} (the rows of data); got shape {out.shape}")
+    flat, tree = jax.tree.flatten((data, shared))
+    moving = [i for i, x in enumerate(flat) if is_tracer(x)]
+
+    def rebuilt(xs):
+        leaves = list(flat)
+        for i, x in zip(moving, xs):
+            leaves[i] = x
+        return jax.tree.unflatten(tree, leaves)
+
+    def weighted(xs, w):
+        d, s = rebuilt(xs)
+        return reduce_sum(Weighted(fn), (d, w), *s, executor=executor, grainsize=grainsize,
+                          block_rows=block_rows)
+
+    def plain(xs):
+        d, s = rebuilt(xs)
+        return fn(d, *s)
+
+    return row_values(weighted, plain, jnp.ones(out.shape, out.dtype),
+                      [flat[i] for i in moving])
+
+
+class Weighted:
+    """``w * fn(data, *shared)`` of the rows ``(data, w)``, summed over the axes after the
+    rows: the site through which :func:`reduce_rows` evaluates ``fn``. Keyed, as any
+    callable object, by its class and ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, rows, *shared):
+        data, w = rows
+        terms = w * self.fn(data, *shared)
+        return terms.reshape(terms.shape[:1] + (-1,)).sum(axis=1) if terms.ndim > 1 else terms
+
+
+def _structs(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 # -- checks at the boundary -------------------------------------------------------------

@@ -33,6 +33,7 @@ Imports jax, numpy and the core below it (:mod:`.batching`, :mod:`.host`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import NamedTuple
@@ -199,10 +200,19 @@ class GraphRoute(Route):
 
     def products(self, traced, shared, choice, wrt, tangents):
         state = self.state
+        n_t, n_s = len(traced), len(shared)
 
         def evaluate(t, s, set_axes):  # a batch laid out as a host task lays it out
-            return state.program.graph_partials(state.prepared(), t, s, wrt.traced,
-                                                wrt.shared, set_axes, 2)
+            def products():
+                return state.program.graph_partials(state.prepared(), t, s, wrt.traced,
+                                                    wrt.shared, set_axes, 2)
+
+            # Along zero (every set of the batch): zeros, as the host route answers.
+            moving = [jnp.any(x != 0) for x in (*t[n_t:], *s[n_s:])]
+            shapes = jax.eval_shape(products)
+            return lax.cond(functools.reduce(jnp.logical_or, moving, jnp.bool_(False)),
+                            products, lambda: jax.tree.map(
+                                lambda x: jnp.zeros(x.shape, x.dtype), shapes))
 
         return tangent_batching(evaluate)((*traced, *tangents[0]), (*shared, *tangents[1]))
 

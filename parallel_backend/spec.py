@@ -54,7 +54,7 @@ from .blocks import (
     take_blocks,
 )
 from .errors import TracedElsewhere
-from .guards import after, fence, hide, hide_bounds
+from .guards import after, fence, hide, hide_bounds, pool_gate
 from .identity import owned
 from .internals import is_tracer, jaxpr_as_fun
 from .tasks import Partials, host_device, program_key
@@ -176,8 +176,10 @@ class Program:
             if spec.computes and computes(closed) != spec.computes:
                 raise TracedElsewhere(spec.label)
         self.split: Split = split_known(closed, len(resident), len(traced), spec.constants)
-        #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK).
+        #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK), and the
+        #: context its chunk programs run in (guard ``pool_gate``).
         self.blocks_pool = blocks_pool(closed)
+        self.gate = pool_gate(self.blocks_pool)
         #: Per prepared leaf, whether ``fn`` reads it only as positions: the in-graph
         #: route shows those to XLA (see :func:`.forms.index_leaves`); residuals never.
         self.positions = index_leaves(closed, self.split.raw) + (False,) * len(self.split.residuals)

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .blocks import take_blocks, tree_sum
+from .blocks import tree_sum
 from .errors import ChunkError
-from .guards import pin, pool_gate
+from .guards import pin
 
 __all__ = [
     "ChunkResult",
@@ -114,9 +114,11 @@ class Evaluation(NamedTuple):
         return 1 if plain else 2
 
     def blocks(self, a: int, b: int) -> tuple:
-        """The traced leaves' blocks ``[a, b)`` (absolute block numbers)."""
+        """The traced leaves' blocks ``[a, b)`` (absolute block numbers; the block axis after
+        any axis of sets, as :func:`.blocks.take_blocks` reads it)."""
         axes = self.in_axes[0] if self.in_axes is not None else (None,) * len(self.traced)
-        return take_blocks(self.traced, axes, a - self.first, b - self.first)
+        lo, hi = a - self.first, b - self.first
+        return tuple(x[:, lo:hi] if ax == 0 else x[lo:hi] for x, ax in zip(self.traced, axes))
 
     def restrict(self, a: int, b: int) -> Evaluation:
         """The same evaluation with only blocks ``[a, b)`` of the traced leaves (what a
@@ -262,7 +264,7 @@ def run_task(task: Task) -> ChunkResult:
     try:
         # The same precision and device on every thread, so every thread hits the same
         # compiled function (a pure_callback's thread has a default device set).
-        with pool_gate(program.blocks_pool), jax.enable_x64(spec.x64), jax.default_device(resident.device):
+        with program.gate, jax.enable_x64(spec.x64), jax.default_device(resident.device):
             t0 = time.perf_counter()  # after the gate: the chunker wants compute time
             out = jax.device_get(_call(program, resident, chunk, ev))
             seconds = time.perf_counter() - t0

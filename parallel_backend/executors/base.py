@@ -60,7 +60,7 @@ class Executor:
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
         self._closed = False
-        self._runner = None  # the thread of the default run_tasks
+        self._runner = None  # the thread pool of run_tasks (task_pool)
         self._created = time.time()
         self._counts = {"calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
                         "seconds_in_workers": 0.0, "bytes_sent": 0}
@@ -77,21 +77,36 @@ class Executor:
         their results in task order (or more results, in block order, where an executor
         splits a task at its own data's boundaries).
 
-        The default runs them one after another with
-        :func:`~parallel_backend.tasks.run_task` on a thread of this executor's own (made
-        at first use, ended by :meth:`close`), while this one waits with :func:`gather`:
-        run here, a chunk that can never start would hang the callback instead of raising
-        :class:`~parallel_backend.errors.InFlightLimit`. An executor with workers hands
-        each task to one, as ``concurrent.futures`` would.
+        The default hands each task to :func:`~parallel_backend.tasks.run_task` on the
+        executor's own thread pool (:meth:`task_threads` threads, made at first use, ended
+        by :meth:`close`) and waits with guard ``stall_probe``
+        (:func:`~parallel_backend.guards.gather`): run on the waiting thread itself, a
+        chunk that can never start would hang the callback instead of raising
+        :class:`~parallel_backend.errors.InFlightLimit`. An executor with workers
+        elsewhere hands each task to one, as ``concurrent.futures`` would.
         """
         if not tasks:
             return []
-        with self._lock:
-            self.check_open()
-            if self._runner is None:
-                self._runner = ThreadPoolExecutor(1, thread_name_prefix="parallel_backend-tasks")
-            futures = [self._runner.submit(run_task, t) for t in tasks]  # one thread: in turn
+        pool = self.task_pool()
+        futures = [pool.submit(run_task, t) for t in tasks]
         return gather(futures, [t.resident.device for t in tasks], tasks[0].program.spec.label)
+
+    def task_threads(self) -> tuple[int, str]:
+        """How many threads the pool of :meth:`run_tasks` has, and their name's prefix:
+        one, which runs the tasks in turn."""
+        return 1, "parallel_backend-tasks"
+
+    def task_pool(self) -> ThreadPoolExecutor:
+        """The thread pool that runs this executor's tasks (made at first use)."""
+        pool = self._runner
+        if pool is None:
+            with self._lock:
+                self.check_open()
+                if self._runner is None:
+                    threads, name = self.task_threads()
+                    self._runner = ThreadPoolExecutor(threads, thread_name_prefix=name)
+                pool = self._runner
+        return pool
 
     def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
                        set_axes=None):

@@ -5,13 +5,13 @@ no public accessor. Each use is a small function here with the reason it has no 
 replacement; ``tests/unit/test_internals.py`` fails, naming the NumPyro version,
 when a release changes one of them (tested on numpyro 0.22.0, with jax 0.10.2 on Python
 3.11 and jax 0.12.0.1 on Python 3.12). ``docs/layout.rst`` lists them. Imports nothing
-but the standard library.
+but the standard library (NumPyro only inside the functions that read it).
 """
 
 from __future__ import annotations
 
-__all__ = ["BUILT_AT_INIT", "kernel_function", "kernel_settings", "max_tree_depth",
-           "mcmc_arguments"]
+__all__ = ["BUILT_AT_INIT", "handler_stack", "kernel_function", "kernel_settings",
+           "max_tree_depth", "mcmc_arguments"]
 
 #: Attributes of NumPyro's HMC that ``init`` builds from the model: not settings.
 BUILT_AT_INIT = frozenset({"_model", "_potential_fn", "_init_fn", "_sample_fn",
@@ -47,3 +47,13 @@ def kernel_function(kernel):
     if getattr(kernel, "model", None) is not None:
         return kernel.model
     return getattr(kernel, "_potential_fn", None)
+
+
+def handler_stack() -> list:
+    """The effect handlers active now, outermost first: kept only as
+    ``numpyro.primitives._PYRO_STACK`` (the stack ``apply_stack`` runs). A site that must
+    know which plates enclose it before they process it (to name a plate it cannot
+    honour) or whether an estimator reads it row by row reads it here."""
+    import numpyro.primitives
+
+    return list(numpyro.primitives._PYRO_STACK)

@@ -13,20 +13,18 @@ checks of a model that was given its observations). Imports jax, numpy and numpy
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-from numpyro.distributions import Distribution, constraints
+from numpyro.distributions import Distribution
 from numpyro.primitives import Messenger
 
-import parallel_backend as pb
+from parallel_backend.extend import reduce_rows
 
 from .replay import INFER_KEY, honour_plates, plates_fit
 
-__all__ = ["ObservedRows", "RowLogProb", "observe", "unobserved"]
+__all__ = ["ObservedRows", "RowLogProb", "RowValues", "observe", "unobserved"]
 
 
 class RowLogProb:
@@ -53,27 +51,42 @@ class RowLogProb:
         return hash((RowLogProb, id(self.dist_fn), self.masked))
 
 
-class ObservedRows(Distribution):
-    """The distribution of an observed ``pb.observe`` site: its value is ``obs``
-    (``N`` rows), its ``log_prob(obs)`` the sum over rows computed by ``reduce_sum``, its
-    ``sample`` a draw of ``dist_fn(data, *shared)``.
+class RowValues:
+    """``fn(rows, *shared)`` of an observed site's rows, as its distribution's ``log_prob``
+    returns them: ``dist_fn(data_rows, *shared).log_prob(obs_rows)``, of the batch shape
+    (the rows first), where ``rows`` is ``(data, obs)`` (or ``(data, obs, mask)`` for a
+    masked site, masked rows at zero)."""
 
-    ``batch_shape`` is ``()`` and ``event_shape`` ``obs``'s shape: NumPyro sums the
-    log-density of the rows once, as for ``numpyro.factor``. ``rows_batch`` is the batch
-    shape of ``dist_fn(data, *shared)`` (it starts with the rows). Plates see it through
+    def __init__(self, dist_fn, masked: bool = False):
+        self.dist_fn, self.masked = dist_fn, masked
+        self.__name__ = getattr(dist_fn, "__name__", type(dist_fn).__name__)
+
+    def __call__(self, rows, *shared):
+        lp = self.dist_fn(rows[0], *shared).log_prob(rows[1])
+        return jnp.where(rows[2], lp, jnp.zeros((), lp.dtype)) if self.masked else lp
+
+
+class ObservedRows(Distribution):
+    """The distribution of an observed ``pb.observe`` site: its value is ``obs``, its
+    ``log_prob(obs)`` the log-density of each row (the batch shape of ``dist_fn(data,
+    *shared)``, the rows first), computed as ``reduce_sum`` computes
+    (``parallel_backend.extend.reduce_rows``: in blocks, on the executor, with parallel
+    derivatives), its ``sample`` a draw of ``dist_fn(data, *shared)``.
+
+    Its batch shape is the rows', as the plain site's, so NumPyro treats it as it treats
+    the plain site: ``log_density`` sums the rows (times a plate's scale, or the weights
+    of ``handlers.scale``, one per row or one for all), ``numpyro.infer.log_likelihood``
+    (and ArviZ's ``from_numpyro``) gets each row's value. Plates see it through
     ``expand``, a checked no-op (:func:`.replay.plates_fit`): a plate over the rows
-    (subsampled or not) or over a later batch dim is already summed over, and its scale
-    multiplies the sum as it multiplies the plain site's. ``mask`` with a scalar or an
-    array of flags that broadcasts to ``rows_batch`` (``numpyro.handlers.mask``) masks
-    rows inside the ``reduce_sum``. ``numpyro.infer.log_likelihood`` alone gets the rows'
-    values (:meth:`pointwise`, see :func:`asked_by_log_likelihood`).
+    (subsampled or not) or over a later batch dim is the site's own. ``mask`` with a
+    scalar or an array of flags that broadcasts to ``rows_batch``
+    (``numpyro.handlers.mask``) masks rows inside the evaluation.
     """
 
     pytree_data_fields = ("data", "shared", "obs", "row_mask")
     pytree_aux_fields = ("dist_fn", "executor", "grainsize", "block_rows", "name",
                          "rows_batch", "unhonoured")
     pb_site = "observe"
-
     def __init__(self, name, dist_fn, data, shared, obs, executor=None, grainsize=None,
                  block_rows=None, row_mask=None, rows_batch=None, unhonoured=None):
         self.name, self.dist_fn, self.data, self.shared, self.obs = (
@@ -83,7 +96,8 @@ class ObservedRows(Distribution):
         if rows_batch is None:
             rows_batch = _batch_shape(dist_fn, data, self.shared)
         self.rows_batch, self.unhonoured = tuple(rows_batch), unhonoured
-        super().__init__(batch_shape=(), event_shape=tuple(jnp.shape(obs)))
+        event = tuple(jnp.shape(obs))[len(self.rows_batch):]
+        super().__init__(batch_shape=self.rows_batch, event_shape=event)
 
     def _replace(self, **changes):
         fields = {k: getattr(self, k) for k in (
@@ -93,7 +107,7 @@ class ObservedRows(Distribution):
 
     @property
     def support(self):
-        return constraints.independent(self.full().support, 1)
+        return self.full().support
 
     @property
     def is_discrete(self):
@@ -124,14 +138,13 @@ class ObservedRows(Distribution):
             raise ValueError(f"pb.observe site {self.name!r}: expanded to batch shape "
                              f"{self.unhonoured}, which does not lie within the site's batch "
                              f"shape {self.rows_batch}")
-        if value is not self.obs:  # not the site's own observations: the plain sum
-            return jnp.sum(self.pointwise(value))
-        if asked_by_log_likelihood():
+        if value is not self.obs:  # not the site's own observations: in the caller's program
             return self.pointwise(value)
-        inputs = self.inputs
-        return pb.reduce_sum(inputs["fn"], inputs["data"], *self.shared,
-                             executor=self.executor, grainsize=self.grainsize,
-                             block_rows=self.block_rows)
+        rows = (self.data, self.obs) if self.row_mask is None else (
+            self.data, self.obs, self.row_mask)
+        return reduce_rows(RowValues(self.dist_fn, self.row_mask is not None), rows,
+                           *self.shared, executor=self.executor, grainsize=self.grainsize,
+                           block_rows=self.block_rows)
 
     def pointwise(self, value):
         """``dist_fn(data, *shared).log_prob(value)`` with masked rows at zero: the plain
@@ -160,28 +173,6 @@ class ObservedRows(Distribution):
         if self.row_mask is not None:
             full = full & self.row_mask
         return self._replace(row_mask=full)
-
-
-#: Where ``numpyro.infer.log_likelihood`` calls ``log_prob``: its inner function.
-LOG_LIKELIHOOD_CALLER = ("numpyro.infer.util", "single_loglik")
-
-
-def asked_by_log_likelihood(depth: int = 4) -> bool:
-    """Whether ``numpyro.infer.log_likelihood`` (and so ArviZ's ``from_numpyro``) is
-    calling ``ObservedRows.log_prob``: it wants the rows' values, where every other caller
-    (``log_density``, the ELBOs) sums what ``log_prob`` returns. NumPyro calls ``log_prob``
-    the same way in both, so the caller's frame is the one difference: its inner function
-    ``single_loglik``, found within ``depth`` frames of ``log_prob``'s caller (Python 3.11
-    puts the dict comprehension's frame between them)."""
-    frame = sys._getframe(2)  # log_prob's caller
-    module, function = LOG_LIKELIHOOD_CALLER
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=None,
@@ -232,6 +223,7 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
     --------
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import parallel_backend as pb
+from parallel_backend.extend import reduce_rows
     >>> x = jnp.linspace(-1.0, 1.0, 6)
     >>> def model(x, y=None):
     ...     b = numpyro.sample("b", dist.Normal(0.0, 1.0))

@@ -27,6 +27,8 @@ from numpyro.primitives import Messenger
 
 import parallel_backend as pb
 
+from .internals import handler_stack
+
 __all__ = ["HMC_EXTRA_FIELDS", "INFER_KEY", "FactorUnit", "factor_sites", "honour_plates",
            "plates_fit", "quietly", "site_inputs", "trace_model"]
 
@@ -82,56 +84,66 @@ def plates_fit(shape, batch) -> bool:
     return all(s in (1, b) for s, b in zip(inner, batch[len(batch) - len(inner):]))
 
 
-def _frame_shape(frame) -> tuple:
-    return (int(frame.size),) + (1,) * (-int(frame.dim) - 1)
-
-
 def _under_ecs_proxy() -> bool:
     """Whether the model runs under HMCECS's likelihood estimator with a proxy, which
     reads each subsampled site's log-density row by row."""
     from numpyro.infer.hmc_gibbs import estimate_likelihood
 
     return any(isinstance(h, estimate_likelihood) and h.method is not None
-               and h.params is not None for h in numpyro.primitives._PYRO_STACK)
+               and h.params is not None for h in handler_stack())
+
+
+def _enclosing_plates() -> list:
+    """``(name, size, dim)`` of the plates around the site, as its frames will be."""
+    return [(h.name, int(h.subsample_size), h.dim) for h in handler_stack()
+            if isinstance(h, numpyro.plate) and h.dim is not None]
 
 
 class honour_plates(Messenger):
     """Installed by ``pb.factor``/``pb.observe`` around their own ``numpyro.sample``: after
     every handler has processed the site, raises a ``ValueError`` naming each plate that
     does not lie within the rows' ``batch`` shape (see :func:`plates_fit`), and an array
-    ``scale`` (a scale per row cannot multiply one sum)."""
+    ``scale`` on a ``pb.factor`` site (a scale per row cannot multiply its one sum)."""
 
     def __init__(self, name, kind, batch, what):
         self.name, self.kind, self.batch, self.what = name, kind, tuple(batch), what
         super().__init__()
 
-    def postprocess_message(self, msg):
+    def process_message(self, msg):
+        # Before the plates process the site (they run after this innermost handler): a
+        # plate that does not fit would otherwise fail in NumPyro's broadcasting, unnamed.
         if msg["type"] != "sample" or msg["name"] != self.name:
             return
-        bad = [f for f in msg["cond_indep_stack"]
-               if f.dim is not None and f.size is not None
-               and not plates_fit(_frame_shape(f), self.batch)]
+        bad = [(name, size, dim) for name, size, dim in _enclosing_plates()
+               if not plates_fit((size,) + (1,) * (-dim - 1), self.batch)]
         if bad:
-            plates = ", ".join(f"plate {f.name!r} (size {f.size} at dim {f.dim})" for f in bad)
+            plates = ", ".join(f"plate {n!r} (size {s} at dim {d})" for n, s, d in bad)
             raise ValueError(
                 f"pb.{self.kind} site {self.name!r}: {plates} does not match the site's "
                 f"batch shape {self.batch} ({self.what}); in the plain model it would repeat "
                 f"the rows. A plate over the rows must have their size at their dim (with "
                 f"subsample_size, pass the subsampled rows: X[idx], y[idx]); another plate "
                 f"must have size 1 there or sit on a dim of the batch shape with its size")
-        if msg.get("is_observed") and _under_ecs_proxy():
+
+    def postprocess_message(self, msg):
+        if msg["type"] != "sample" or msg["name"] != self.name:
+            return
+        if self.kind == "factor" and msg.get("is_observed") and _under_ecs_proxy():
             raise ValueError(
                 f"pb.{self.kind} site {self.name!r}: HMCECS with a proxy (taylor_proxy) "
                 f"needs the site's log-density per row, and a pb.{self.kind} site gives one "
                 f"parallel sum; use HMCECS without proxy= (its subsampled likelihood works "
                 f"with pb.{self.kind}), or numpyro.sample for this site")
         scale = msg.get("scale")
-        if msg.get("is_observed") and scale is not None and jnp.size(scale) != 1:
+        # An observe site's log_prob is per row, so NumPyro weights its rows itself.
+        if self.kind == "factor" and msg.get("is_observed") and scale is not None and \
+                jnp.size(scale) != 1:
             raise ValueError(
                 f"pb.{self.kind} site {self.name!r}: a scale of shape {jnp.shape(scale)} "
                 f"(handlers.scale with an array) cannot multiply the site's log-density, one "
-                f"sum over its batch shape {self.batch}; use a scalar scale, or weight the "
-                f"rows inside the log-density (pb.factor with the weights as a data leaf)")
+                f"sum over its batch shape {self.batch}; use pb.observe (whose rows take "
+                f"per-row weights), a scalar scale, or weight the rows inside the "
+                f"log-density (the weights as a data leaf)")
 
 
 class FactorUnit(Unit):

@@ -71,3 +71,34 @@ def test_identity_is_content_not_address():
         assert len(ex.sites()) == 1
         jax.jit(lambda m: pb.reduce_sum(make(np.ones(1)), x + 1, m, executor=ex))(0.1)
         assert len(ex.sites()) == 2
+
+
+def test_content_that_cannot_change_is_hashed_once(monkeypatch):
+    """A JAX array and a read-only NumPy array are hashed once while they live; a writable
+    NumPy array at every trace (it may have changed in place), and the site keeps a
+    read-only copy of it, whose own digest is then made once."""
+    from parallel_backend import identity
+
+    hashed = []
+    real = identity.hashlib.sha256
+
+    def counting(*args):
+        hashed.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(identity.hashlib, "sha256", counting)
+    fixed = np.arange(2_000.0)
+    fixed.flags.writeable = False
+    for x in (fixed, jnp.arange(2_000.0)):
+        hashed.clear()
+        first = digest(x)
+        assert [digest(x) for _ in range(3)] == [first] * 3 and len(hashed) == 1
+    writable = np.arange(2_000.0)
+    hashed.clear()
+    digest(writable), digest(writable)
+    assert len(hashed) == 2
+    view = fixed.view()  # read-only, but a view of a read-only array: still immutable
+    assert identity.immutable(view) and not identity.immutable(writable[:5])
+    kept = identity.snapshot(writable)
+    assert kept is not writable and not kept.flags.writeable and identity.immutable(kept)
+    assert identity.snapshot(fixed) is fixed

@@ -146,6 +146,15 @@ def test_numpyros_private_attributes():
     after = numpyro_internals.kernel_settings(kernel)
     assert not (set(after) - set(settings)) - {k.lstrip("_") for k in
                                                  numpyro_internals.BUILT_AT_INIT}, where
+    # the handler stack: the plates around a site, before they process it
+    seen = []
+
+    def site():
+        seen.extend(type(h).__name__ for h in numpyro_internals.handler_stack())
+
+    with numpyro.handlers.seed(rng_seed=0), numpyro.plate("rows", 3):
+        site()
+    assert seen == ["seed", "plate"], where
 
 
 @pytest.mark.parametrize("name", numpyro_internals.__all__)
@@ -154,3 +163,12 @@ def test_every_numpyro_internal_is_tested_here(name):
 
     source = inspect.getsource(test_numpyros_private_attributes)
     assert name in source or name == "kernel_function", name
+
+
+def test_kernel_function_reads_a_potential_kernel():
+    def potential(z):
+        return jnp.sum(z ** 2)
+
+    where = f"numpyro {numpyro.__version__}"
+    assert numpyro_internals.kernel_function(NUTS(potential_fn=potential)) is potential, where
+    assert numpyro_internals.kernel_function(NUTS(lambda: None)) is not None, where
