@@ -23,12 +23,14 @@ import math
 import os
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
     "BlockPlan",
     "TilePlan",
+    "accelerator",
     "balance_blocks",
     "block_axis",
     "cpu_count",
@@ -322,6 +324,13 @@ def xla_threads() -> int:
         if value.strip().isdigit() and int(value) > 0:
             return int(value)
     return cpu_count()
+
+
+def accelerator() -> bool:
+    """Whether the caller's programs run on an accelerator (JAX's default backend is not
+    the CPU): where the graph evaluates plain NumPyro's program instead of blocks."""
+    return jax.default_backend() != "cpu"
+
 
 
 class TilePlan(NamedTuple):

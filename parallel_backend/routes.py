@@ -45,6 +45,7 @@ from jax import lax
 
 from . import host as host_path
 from .batching import map_sets, nest_sets, tangent_batching
+from .blocks import accelerator
 
 __all__ = [
     "GRAPH",
@@ -301,11 +302,17 @@ def default_route(executor, state) -> str:
     programs of such blocks at once on two threads ran hardly faster than one after the
     other).
 
+    On an accelerator (a GPU, a TPU) the graph, where it evaluates plain NumPyro's
+    program (:meth:`.spec.Program.plain_partials`): one kernel over every row, which a
+    block loop or a callback to host threads only slows.
+
     Fewer tiles than workers still pays: on 16 cores the HMM at 10,000 and 50,000
     sequences (8 and 25 tiles) beat plain on the host and lost in the graph, whose block
     loop holds one core while plain's scan takes three (docs/performance.md)."""
     if executor.dispatch != "auto":
         return executor.dispatch
+    if accelerator():  # the graph is plain's program on the device: nothing to split
+        return "graph"
     if executor.can_use_host(state) and state.spec.form == "looped" and not state.spec.row_loop:
         return "host"
     return "graph"

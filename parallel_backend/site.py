@@ -19,6 +19,7 @@ from collections import OrderedDict
 
 import jax
 
+from .blocks import accelerator
 from .chunking import AdaptiveChunker
 from .guards import one_program
 from .identity import frozen
@@ -113,8 +114,14 @@ class SiteState:
             with self._lock:
                 if self._prepared is None:
                     self._prepared = run_eagerly(program.prepare, self._resident_leaves)
-                    self._resident_leaves = ()  # the prepared blocks replace them
+                    if not accelerator():  # the prepared blocks replace them
+                        self._resident_leaves = ()
         return self._prepared
+
+    def resident(self) -> tuple:
+        """The resident data leaves as the call gave them (kept where the graph evaluates
+        plain's program: on an accelerator)."""
+        return self._resident_leaves
 
     def prepare_host(self) -> tuple:
         """``(program, resident)`` for host-path tasks in this process, made once and

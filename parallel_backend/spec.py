@@ -342,6 +342,51 @@ class Program:
         return self._graph_fn(tuple(diff_traced), tuple(diff_shared), set_axes, order)(
             head, tail, tuple(traced), tuple(shared))
 
+    def plain_partials(self, resident, traced, shared, diff_traced, diff_shared,
+                       set_axes=None, order: int = 1):
+        """Plain NumPyro's program in the caller's: ``fn`` on every row at once, JAX's own
+        derivatives, as partials of the plan's shape (the whole value and gradients in
+        the first block, zeros in the others, so that every route's partials combine
+        alike). What the graph evaluates on an accelerator (:func:`.routes.accelerator`).
+        ``resident``: the site's data leaves, unpadded. ``order`` 2: the tangents of the
+        three along the tangents after the leaves, as in :meth:`_block`."""
+        key = ("plain", tuple(diff_traced), tuple(diff_shared), set_axes, order)
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache.setdefault(key, jax.jit(self._plain_fn(
+                tuple(diff_traced), tuple(diff_shared), set_axes, order)))
+        return fn(tuple(resident), tuple(traced), tuple(shared))
+
+    def _plain_fn(self, diff_traced, diff_shared, set_axes, order):
+        block, n_blocks = self.spec.block_fn(), self.spec.plan.n_blocks
+
+        def first_of(x):  # the whole in block 0, zeros in the others
+            return jnp.zeros((n_blocks,) + jnp.shape(x), jnp.result_type(x)).at[0].set(x)
+
+        def one(resident, traced, shared):
+            if order == 2:
+                n_t, n_s = len(diff_traced), len(diff_shared)
+                tan_t, tan_s = traced[n_t:], shared[n_s:]
+                traced, shared = traced[:n_t], shared[:n_s]
+
+            def grads(td, sd):
+                def total(td, sd):
+                    return jnp.sum(block(resident, merge(traced, td, diff_traced),
+                                         merge(shared, sd, diff_shared)))
+
+                v, (gt, gs) = jax.value_and_grad(total, argnums=(0, 1))(td, sd)
+                return v, tuple(gs), tuple(gt)
+
+            td, sd = tuple(kept(traced, diff_traced)), tuple(kept(shared, diff_shared))
+            v, gs, gt = (grads(td, sd) if order == 1 else
+                         jax.jvp(grads, (td, sd), (tuple(tan_t), tuple(tan_s)))[1])
+            return first_of(v), tuple(map(first_of, gs)), gt
+
+        if set_axes is None:
+            return one
+        return lambda resident, traced, shared: jax.vmap(
+            one, in_axes=(None,) + tuple(set_axes))(resident, traced, shared)
+
     def _graph_fn(self, diff_traced, diff_shared, set_axes, order):
         key = ("graph", diff_traced, diff_shared, set_axes, order)
         if key in self.cache:

@@ -112,10 +112,14 @@ class Executor:
                        set_axes=None):
         """Per-block partials computed inside the caller's XLA program (no callback).
 
-        Called while tracing. The default evaluates every block in place; an
-        executor that maps blocks over devices overrides it. ``set_axes``: a batch of
-        parameter sets (see :func:`parallel_backend.sets.over_blocks`).
+        Called while tracing. The default evaluates every block in place, or, on an
+        accelerator (:func:`parallel_backend.routes.accelerator`), plain NumPyro's
+        program; an executor that maps blocks over devices overrides it. ``set_axes``: a
+        batch of parameter sets (see :func:`parallel_backend.batching.over_blocks`).
         """
+        if _routes.accelerator():
+            return state.program.plain_partials(state.resident(), traced, shared, diff_traced,
+                                                diff_shared, set_axes)
         return state.program.graph_partials(state.prepared(), traced, shared, diff_traced,
                                             diff_shared, set_axes)
 
