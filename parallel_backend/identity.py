@@ -312,8 +312,8 @@ def frozen(fn):
 
 
 def _freeze(v, depth: int):
-    if isinstance(v, np.ndarray):
-        return snapshot(v)
+    if isinstance(v, np.ndarray):  # a copy as the user's was (fn may write to it)
+        return v if immutable(v) else np.array(v, copy=True)
     if depth > MAX_DEPTH or v is None or isinstance(v, (bool, int, float, complex, str, bytes,
                                                         types.ModuleType, type)):
         return v
