@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import threading
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -29,7 +30,8 @@ from .cluster import XLA_FLAGS
 from .internals import worker_plugin
 from .protocol import ERROR, GONE, MISSING, OK, Reply
 
-__all__ = ["WorkerState", "evaluate", "holdings", "install", "release", "release_everywhere"]
+__all__ = ["WorkerState", "evaluate", "holdings", "install", "ping", "relay", "release",
+           "release_everywhere"]
 
 
 class WorkerState(WorkerPlugin):
@@ -255,6 +257,18 @@ def release(name, tokens, data_tokens, dask_worker=None) -> Reply:
         return _gone(dask_worker, name)
     state.drop(tokens, data_tokens)
     return Reply(OK)
+
+
+def ping(dask_worker=None) -> None:
+    """Nothing: the call that tells whether, and how fast, a route reaches this worker."""
+
+
+async def relay(function: bytes, args: bytes, dask_worker=None):
+    """``function(*args)`` (both cloudpickled) on this worker: a message that the scheduler
+    relayed (``Client.run``) arrives as the same bytes a direct one carries, and runs the
+    same function, as dask's ``run`` handler runs a direct one."""
+    out = cloudpickle.loads(function)(*cloudpickle.loads(args), dask_worker=dask_worker)
+    return await out if inspect.isawaitable(out) else out
 
 
 def holdings(name, dask_worker=None) -> dict:

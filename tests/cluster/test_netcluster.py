@@ -1,10 +1,13 @@
-"""NUTS through ``DaskExecutor`` on a cluster of separate network hosts (issue 40).
+"""NUTS through ``DaskExecutor`` on a cluster of separate network hosts.
 
 The scheduler and every worker run in their own network namespace (``benchmarks/
 netcluster``): a 1-thread worker behind a 2 ms round trip, a 2-thread worker behind
 100 Mbit/s. Workers die and join while NUTS runs; the draws stay bitwise those of
-:class:`SerialExecutor`. A scheduler that cannot be reached fails fast, naming its
-address. Run with ``pytest -n 0 -m netcluster tests/cluster`` (as root).
+:class:`SerialExecutor`, also where this process reaches only the scheduler (the workers
+behind it, on a bridge this namespace has no address on: ``reach="scheduler"``), as a
+client of a Kubernetes service, a port-forward or a gateway does. A scheduler that cannot
+be reached, or dies, fails fast, naming its address. Run with
+``pytest -n 0 -m netcluster tests/cluster`` (as root).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ pytestmark = [pytest.mark.netcluster, pytest.mark.dask, pytest.mark.timeout(420)
 # The workers cannot import this module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-N = 12_000
+#: 36 blocks in 4 tiles (tiles are at least 8,192 rows): a share for each worker.
+N = 36_000
 BLOCK_ROWS = 1000
 
 
@@ -73,13 +77,16 @@ def run_nuts(executor, data, between=None, warmup=40, samples=40, seed=0):
     return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
 
 
-def kill_after(ex, cluster, host: str, calls: int, done: threading.Event):
-    """A thread that kills ``host`` once ``ex`` has made ``calls`` evaluations."""
+def kill_after(ex, cluster, host: str, calls: int, done: threading.Event, before=None):
+    """A thread that kills ``host`` once ``ex`` has made ``calls`` evaluations (calling
+    ``before()`` just before)."""
     def go():
         deadline = time.monotonic() + 240
         while ex.stats()["calls"] < calls and time.monotonic() < deadline:
             time.sleep(0.005)
         if time.monotonic() < deadline:
+            if before is not None:
+                before()
             cluster.kill(host)
             done.set()
 
@@ -88,12 +95,15 @@ def kill_after(ex, cluster, host: str, calls: int, done: threading.Event):
     return t
 
 
-def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
+@pytest.mark.parametrize("reach", ["all", "scheduler"])
+def test_nuts_bitwise_while_workers_die_and_join(netcluster, reach, x64):
     """Three hosts die or join while one chain runs: w1 dies in warmup (its shards go to
-    w2), w3 joins before sampling, w2 dies in sampling (everything goes to w3)."""
+    w2), w3 joins before sampling and takes a share of the data, w2 dies in sampling
+    (everything goes to w3). Where the client reaches only the scheduler, the executor
+    finds that at its first message and sends every message through the scheduler."""
     data = make_data()
     ref = run_nuts(pb.SerialExecutor(), data)
-    cluster = netcluster()
+    cluster = netcluster(reach=reach)
     killed_w1, killed_w2 = threading.Event(), threading.Event()
     with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
         assert ex.workers == 3
@@ -105,7 +115,15 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
             assert killed_w1.is_set(), "warmup ended before w1 was killed: make it longer"
             w3 = cluster.add_worker(threads=1, rtt_ms=1.0)
             seen["w3"] = w3.address
-            seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2)
+            deadline = time.monotonic() + 60  # until its probe has told the executor
+            while w3.address not in ex._live.nthreads and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+            def share():  # the joiner's share while w2 still holds some
+                seen["share"] = ex.stats()["blocks_per_worker"].get(w3.address, 0)
+
+            seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2,
+                                    share)
 
         got = run_nuts(ex, data, between)
         seen["t2"].join(5)
@@ -113,7 +131,10 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
         held = ex.client.run(holdings, ex._plugin, workers=[seen["w3"]])
     assert killed_w2.is_set(), "sampling ended before w2 was killed: make it longer"
     assert stats["worker_failures"] >= 2, stats
+    assert seen["share"] >= 1, seen  # the joiner took blocks before w2 died
     assert held[seen["w3"]]["shards"] >= 1, held  # the late worker took over the data
+    assert stats["transport"] == ("direct" if reach == "all" else "scheduler"), stats
+    assert set(stats["routes"].values()) == {stats["transport"]}, stats
     assert ref.keys() == got.keys()
     for k in ref:
         assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
