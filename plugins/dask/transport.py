@@ -97,6 +97,9 @@ class Routes:
             return known
         if self.transport != "auto":
             self._route[addr] = self.transport
+            log.info("worker %s: %s, as asked (transport=%r)", addr,
+                     "direct" if self.transport == DIRECT else "through the scheduler",
+                     self.transport)
             return self.transport
         if SCHEDULER in self._route.values() and DIRECT not in self._route.values():
             self._route[addr] = SCHEDULER
