@@ -167,6 +167,27 @@ def test_unreachable_scheduler_fails_fast_naming_it(netcluster):
                                                block_rows=500))
 
 
+def test_direct_transport_where_only_the_scheduler_is_reached_says_so(netcluster, x64):
+    """``transport="direct"`` asked for on a cluster whose workers this client cannot reach:
+    the evaluation fails within seconds with an error that says the scheduler lists the
+    worker, that it did not answer this client, and to use the scheduler transport (not
+    "no workers left")."""
+    cluster = netcluster({"threads": 1}, reach="scheduler")
+    worker = cluster.workers()[0].address
+    x = jnp.arange(3000.0)
+    with pb.DaskExecutor(address=cluster.address, dispatch="host", transport="direct",
+                         timeout=3) as ex:
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as info:
+            pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0, executor=ex, block_rows=500)
+        took = time.monotonic() - t0
+    message = str(info.value)
+    assert took < 30, f"took {took:.1f} s"
+    assert "lists 1 worker(s), but none of them answered this client" in message, message
+    assert worker in message and "transport='scheduler'" in message, message
+    assert "no workers left" not in message, message
+
+
 def _wait_probed(ex, address: str, seconds: float = 90.0) -> None:
     deadline = time.monotonic() + seconds
     while address not in ex._probe.workers and time.monotonic() < deadline:
@@ -237,17 +258,19 @@ def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
         assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
 
 
+@pytest.mark.parametrize("reach", ["all", "scheduler"])
 def test_scheduler_host_lost_fails_fast_and_the_checkpoint_finishes_the_run(netcluster, tmp_path,
-                                                                           x64):
+                                                                           reach, x64):
     """The scheduler's host dies while ``pb.sample`` checkpoints on the cluster: the run fails
     within seconds with an error naming the scheduler, the checkpoint is kept, and calling
-    ``pb.sample`` again (here on ``SerialExecutor``) finishes with the uninterrupted draws."""
+    ``pb.sample`` again (here on ``SerialExecutor``) finishes with the uninterrupted draws.
+    Also where every message goes through that scheduler."""
     data = make_data(6000)
     run = {"num_warmup": 30, "num_samples": 30, "num_chains": 1, "seed": 5,
            "progress_bar": False}
     ref = pb.sample(model, data, executor=pb.SerialExecutor(), **run)
     path = tmp_path / "run.nc"
-    cluster = netcluster({"threads": 2, "rtt_ms": 1.0})
+    cluster = netcluster({"threads": 2, "rtt_ms": 1.0}, reach=reach)
     address = cluster.address
     killed = []
 
