@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import os
 import threading
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -57,6 +58,9 @@ class WorkerState(WorkerPlugin):
         self.__dict__.update(state)
 
     def setup(self, worker) -> None:
+        # dask logs every call of its run handler; an evaluation's messages would be a line
+        # each, thousands a minute, in the worker's log (and a job queue's output file).
+        logging.getLogger("distributed.worker").addFilter(_quiet_runs)
         flags = os.environ.get("XLA_FLAGS", "")
         if self.limit_xla_threads and XLA_FLAGS not in flags:
             # XLA reads the flags when its CPU client starts (the first computation), so
@@ -154,6 +158,12 @@ class WorkerState(WorkerPlugin):
             shards = list(self.shards.values())
             return {"sites": len(self.specs), "programs": len(self.sites),
                     "shards": len(shards), "bytes": sum(r.nbytes for r in shards)}
+
+
+def _quiet_runs(record: logging.LogRecord) -> bool:
+    """Drop dask's "Run out-of-band function" line for this module's own functions."""
+    return not (record.msg == "Run out-of-band function %r" and record.args
+                and record.args[0] in _MESSAGES)
 
 
 def _covers(outer, inner) -> bool:
@@ -284,6 +294,10 @@ def holdings(name, dask_worker=None) -> dict:
     if state is None or not hasattr(state, "lock"):
         return {"sites": 0, "programs": 0, "shards": 0, "bytes": 0}
     return state.holdings()
+
+
+#: The functions the client runs on workers, by the name dask logs them under.
+_MESSAGES = frozenset({"evaluate", "install", "release", "ping", "relay", "holdings"})
 
 
 async def release_everywhere(client, plugin, tokens, data_tokens) -> None:

@@ -217,6 +217,11 @@ def test_workers_that_join_and_leave_change_no_bit_and_are_logged(caplog, x64,
         (stays,) = {first, second} - {left}
         assert ex.stats()["blocks_per_worker"].get(stays) == 20, ex.stats()
         s = ex.stats()
+        # Not a line per message in the workers' logs (a job queue's output files).
+        lines = [m for w in c.get_worker_logs().values() for _, m in w]
+        assert any("Starting Worker plugin" in m or "Worker plugin" in m for m in lines) or lines
+        assert not [m for m in lines if "out-of-band function 'evaluate'" in m
+                    or "out-of-band function 'relay'" in m], lines
     assert s["transport"] == "scheduler", s
     text = "\n".join(r.getMessage() for r in caplog.records if r.name == "parallel_backend.dask")
     assert f"worker {first}: through the scheduler" in text, text

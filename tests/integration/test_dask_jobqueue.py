@@ -1,7 +1,7 @@
 """NUTS on a dask-jobqueue cluster that grows and shrinks under ``adapt()`` while it runs.
 
-``dask_jobqueue.LocalCluster`` runs each job as a local process (the same machinery as
-SLURM or PBS, without the queue). With ``adapt(minimum=1, maximum=3)`` the cluster starts
+``dask_jobqueue.local.LocalCluster`` (0.9 does not export it from the package) runs each
+job as a local process: the same machinery as SLURM or PBS, without the queue. With ``adapt(minimum=1, maximum=3)`` the cluster starts
 with one worker; other work on the same cluster (a burst of tasks, as a colleague's
 computation would be) makes adapt start two more jobs while the chain runs, and their
 workers take a share of the chain's data; when the burst is done, adapt ends those jobs and
@@ -53,7 +53,7 @@ def run_nuts(executor, data, between=None, warmup=60, samples=60, seed=0):
 
 def _job_cluster():
     try:
-        from dask_jobqueue import LocalCluster
+        from dask_jobqueue.local import LocalCluster
     except ImportError as e:
         pytest.fail(f'the job-queue test needs dask-jobqueue: pip install -e ".[test,cluster]" '
                     f"({e})")
@@ -61,11 +61,6 @@ def _job_cluster():
     return LocalCluster(cores=1, processes=1, memory="2GiB", walltime="00:30:00",
                         scheduler_options={"host": "127.0.0.1", "dashboard_address": None},
                         worker_extra_args=["--host", "127.0.0.1"])
-
-
-def _burst(x):
-    time.sleep(0.25)
-    return x
 
 
 def test_adaptive_job_cluster_grows_and_shrinks_under_nuts(caplog, monkeypatch, x64):
@@ -93,7 +88,9 @@ def test_adaptive_job_cluster_grows_and_shrinks_under_nuts(caplog, monkeypatch, 
 
             def between():
                 # Other work on the cluster: adapt starts jobs for it, and ends them after.
-                seen["burst"] = client.map(_burst, range(160), pure=False)
+                # (time.sleep: every worker imports it; the job's workers cannot import
+                # this module, and dask pickles a task's function by reference)
+                seen["burst"] = client.map(time.sleep, [0.25] * 160, pure=False)
                 deadline = time.monotonic() + 180
                 while (len(client.scheduler_info()["workers"]) < 3
                        and time.monotonic() < deadline):
