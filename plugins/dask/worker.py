@@ -6,8 +6,10 @@ computations rebuilt from them), the shards of prepared data that live there
 (sent once, keyed by content and blocks; a shard cut from one held here is served
 from it, so a worker whose share shrank receives nothing), and a thread pool that
 runs chunks. The client reaches it with :func:`evaluate` and :func:`install`,
-called straight on the worker (see :mod:`.protocol`), and with :func:`release`
-when a site leaves its cache; :func:`holdings` says what a worker keeps.
+called straight on the worker or, relayed by the scheduler, through :func:`relay`
+(see :mod:`.protocol` and :mod:`.transport`), with :func:`ping` to find a route, and
+with :func:`release` when a site leaves its cache; :func:`holdings` says what a worker
+keeps.
 
 Imports the core's interface, jax (lazily, after the environment is set),
 numpy, cloudpickle and distributed.
