@@ -47,7 +47,7 @@ from . import cluster, probe
 from . import worker as remote
 from .placement import RemoteSite, assign, blocks_held, compute_span, forget_revived
 from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
-from .transport import TRANSPORTS, Routes, SchedulerUnreachable
+from .transport import LOST, TRANSPORTS, Routes, SchedulerUnreachable
 
 __all__ = ["DaskExecutor"]
 
@@ -55,8 +55,6 @@ log = logging.getLogger("parallel_backend.dask")
 
 #: The name under which a site holds its RemoteSite (``SiteState.placed``).
 REMOTE = "dask.remote"
-#: Failures that mean "this worker is gone", not "fn is wrong".
-_LOST = (OSError, CommClosedError, asyncio.TimeoutError, EOFError)
 _EVALUATE = cloudpickle.dumps(remote.evaluate)
 _INSTALL = cloudpickle.dumps(remote.install)
 
@@ -309,7 +307,7 @@ class DaskExecutor(Executor):
                 moved = {}
                 for i in orphans:
                     moved[owners[i]] = moved.get(owners[i], 0) + shards[i].count
-                log.warning("site %r: %d blocks of workers that left now evaluated by %s",
+                log.warning("site %r: %d blocks of workers lost or gone now evaluated by %s",
                             r.label, sum(shards[i].count for i in orphans),
                             ", ".join(f"{a} ({n})" for a, n in sorted(moved.items())))
             if round_:
@@ -322,7 +320,7 @@ class DaskExecutor(Executor):
             for (addr, group), out in zip(groups.items(), outcomes):
                 if isinstance(out, SchedulerUnreachable):
                     lost = True  # the scheduler's fault, not the worker's: asked below
-                elif isinstance(out, (_WorkerGone, *_LOST)):
+                elif isinstance(out, (_WorkerGone, *LOST)):
                     why = f"{type(out).__name__}: {out}"
                     log.warning("worker %s lost (%s); its chunks go to the workers left",
                                 addr, why)

@@ -41,7 +41,8 @@ from distributed.comm.core import CommClosedError
 from . import worker as remote
 from .internals import run_on
 
-__all__ = ["DIRECT", "PROBE_SECONDS", "SCHEDULER", "TRANSPORTS", "Routes", "SchedulerUnreachable"]
+__all__ = ["DIRECT", "LOST", "PROBE_SECONDS", "SCHEDULER", "TRANSPORTS", "Routes",
+           "SchedulerUnreachable"]
 
 log = logging.getLogger("parallel_backend.dask")
 
@@ -56,8 +57,9 @@ KEPT = 64
 
 _PING = cloudpickle.dumps(remote.ping)
 _NO_ARGS = cloudpickle.dumps(())
-#: A worker that did not answer (connection refused, closed, timed out).
-_LOST = (OSError, CommClosedError, TimeoutError, EOFError)
+#: Failures that mean "this worker is gone" (connection refused, closed, timed out), not
+#: "fn is wrong".
+LOST = (OSError, CommClosedError, TimeoutError, EOFError)
 
 
 class SchedulerUnreachable(Exception):
@@ -120,7 +122,7 @@ class Routes:
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(run_on(self.client, addr, _PING, _NO_ARGS, wait), wait)
-        except (*_LOST, RuntimeError) as e:
+        except (*LOST, RuntimeError) as e:
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         else:
             self._route[addr] = DIRECT
@@ -130,7 +132,7 @@ class Routes:
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self._relay(addr, _PING, _NO_ARGS), self.timeout)
-        except (*_LOST, RuntimeError) as e:
+        except (*LOST, RuntimeError) as e:
             # Nobody reaches it: gone. The evaluation loses it and asks the scheduler again;
             # a later worker at this address is probed afresh.
             raise CommClosedError(f"the worker {addr} answers neither directly ({why}) nor "
@@ -167,12 +169,12 @@ class Routes:
         try:
             out = await self.client.run(remote.relay, function, args, workers=[addr],
                                         on_error="return", asynchronous=True)
-        except _LOST as e:
+        except LOST as e:
             raise SchedulerUnreachable(f"{type(e).__name__}: {e}") from e
         if addr not in out:
             raise CommClosedError(f"the scheduler no longer knows the worker {addr}")
         reply = out[addr]
-        if isinstance(reply, _LOST):
+        if isinstance(reply, LOST):
             raise reply
         if not isinstance(reply, BaseException):
             return reply
