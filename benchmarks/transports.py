@@ -339,9 +339,10 @@ def main(argv=None) -> int:
 
 
 def _model(records, emit) -> None:
-    """Per path: the cost of a message beyond compute, what an evaluation costs beyond
-    its share of the compute, and the sequences per worker from which ``workers``
-    workers beat one process evaluating the same blocks (``SerialExecutor``)."""
+    """Per path: what an evaluation costs beyond its share of the compute (``fixed``, at
+    the smallest size, where the workers' compute competes least with everything else on
+    the machine), and the sequences per worker from which ``workers`` workers of a core
+    each beat one process evaluating the same blocks (``SerialExecutor``)."""
     paths = {}
     for r in records:
         if r.get("kind") == "path":
@@ -351,9 +352,8 @@ def _model(records, emit) -> None:
         # SerialExecutor at the largest size.
         big = max(rows, key=lambda r: r["sequences_per_worker"])
         c_row = big["serial_seconds"] / (big["sequences_per_worker"] * big["workers"])
-        # A path's fixed cost: what an evaluation takes beyond its share of the compute.
-        fixed = float(np.median([r["seconds_median"] - c_row * r["sequences_per_worker"]
-                                 for r in rows]))
+        small = min(rows, key=lambda r: r["sequences_per_worker"])
+        fixed = small["seconds_median"] - c_row * small["sequences_per_worker"]
         w = big["workers"]
         emit({"kind": "model", "path": path, "fixed_ms": 1e3 * fixed,
               "message_ms": float(np.median([next(iter(r["message_ms"].values()), np.nan)
