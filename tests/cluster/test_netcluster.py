@@ -118,12 +118,18 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, reach, x64):
             deadline = time.monotonic() + 60  # until its probe has told the executor
             while w3.address not in ex._live.nthreads and time.monotonic() < deadline:
                 time.sleep(0.05)
+            assert w3.address in ex._live.nthreads, "the executor never heard w3 join"
+            seen["share"] = 0
 
-            def share():  # the joiner's share while w2 still holds some
-                seen["share"] = ex.stats()["blocks_per_worker"].get(w3.address, 0)
+            def watch():  # the joiner's largest share while w2 still holds blocks (the
+                # weighing may later move it back to w2, the faster host)
+                while not killed_w2.is_set():
+                    held = ex.stats()["blocks_per_worker"].get(w3.address, 0)
+                    seen["share"] = max(seen["share"], held)
+                    time.sleep(0.01)
 
-            seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2,
-                                    share)
+            threading.Thread(target=watch, daemon=True).start()
+            seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2)
 
         got = run_nuts(ex, data, between)
         seen["t2"].join(5)
