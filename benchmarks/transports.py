@@ -153,29 +153,11 @@ def _env() -> dict:
 
 
 def _problem(sequences: int, block: int):
-    """``make(executor) -> jitted value-and-grad`` and its arguments: the demo's HMM."""
-    import jax
-    import jax.numpy as jnp
+    """``make(executor) -> jitted value-and-grad`` and its arguments: the demo's HMM, as
+    the simulated cluster's benchmarks make it."""
+    from benchmarks.netcluster.bench import _problems
 
-    import parallel_backend as pb
-    from parallel_backend.plugins.cli.demo import hmm_init, hmm_loglik, make_hmm_data
-
-    obs, _ = make_hmm_data(sequences)
-    init = hmm_init(obs)
-    args = (jnp.log(jnp.asarray(init["trans"], jnp.float32)),
-            jnp.asarray(init["mu0"] + np.concatenate([[0.0], np.cumsum(init["gaps"])]),
-                        jnp.float32),
-            jnp.asarray(init["sigma"], jnp.float32))
-
-    def make(executor):
-        def f(log_trans, mu, sigma):
-            if executor is None:
-                return hmm_loglik(obs, log_trans, mu, sigma).sum()
-            return pb.reduce_sum(hmm_loglik, obs, log_trans, mu, sigma, executor=executor,
-                                 block_rows=block)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
-
-    return make, args
+    return _problems(sequences, 1, hmm_block=block)[f"hmm_{sequences}"]
 
 
 def _calls(f, args, n: int) -> list:
