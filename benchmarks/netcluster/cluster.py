@@ -46,6 +46,7 @@ class Host:
     rtt_ms: float = 0.0
     rate: str | None = None
     xla_flags: str = ""  # more XLA flags for this host's processes
+    back_ip: str | None = None  # the scheduler's leg on the workers' bridge, if any
     procs: list = field(default_factory=list)
     dead: bool = False
 
@@ -90,6 +91,9 @@ class NetCluster:
 
     Parameters
     ----------
+    reach : {"all", "scheduler"}
+        What the client (this namespace) reaches: every host, or only the scheduler
+        (the workers on the back bridge, behind the scheduler's host; see :mod:`.net`).
     workers : list of dict
         One per worker: ``threads`` (default 1), ``rtt_ms`` (round trip added to its link,
         default 0), ``rate`` (``tc`` rate such as ``"100mbit"``, default none),
@@ -106,10 +110,13 @@ class NetCluster:
         Keep the processes' logs (``self.logs``) after :meth:`close`.
     """
 
-    def __init__(self, workers=({"threads": 1}, {"threads": 2}), *, scheduler_rtt_ms=0.0,
-                 scheduler_rate=None, python: str | None = None, lifetime: float = 1800.0,
-                 lock_wait: float = 600.0, start_timeout: float = 90.0,
-                 keep_logs: bool = False):
+    def __init__(self, workers=({"threads": 1}, {"threads": 2}), *, reach: str = "all",
+                 scheduler_rtt_ms=0.0, scheduler_rate=None, python: str | None = None,
+                 lifetime: float = 1800.0, lock_wait: float = 600.0,
+                 start_timeout: float = 90.0, keep_logs: bool = False):
+        if reach not in ("all", "scheduler"):
+            raise ValueError(f"netcluster: reach must be 'all' or 'scheduler', got {reach!r}")
+        self.reach = reach
         why = net.missing()
         if why:  # before anything is made, so there is nothing to take down
             raise RuntimeError(f"netcluster: cannot start a simulated cluster here: {why}")
@@ -126,6 +133,10 @@ class NetCluster:
             net.clean()  # a crashed run's leftovers: we hold the lock, so nobody uses them
             net.make_bridge()
             self.scheduler = self._host("s", 0, scheduler_rtt_ms, scheduler_rate)
+            if reach == "scheduler":
+                net.make_back_bridge()
+                self.scheduler.back_ip = net.host_ip(0, net.BACK_SUBNET)
+                net.add_back_leg("s", self.scheduler.back_ip)
             self._start_scheduler()
             for spec in workers:
                 self.add_worker(**spec, wait=False)
@@ -181,9 +192,12 @@ class NetCluster:
     # -- hosts ---------------------------------------------------------------------
 
     def _host(self, name, threads, rtt_ms, rate) -> Host:
-        host = Host(name, net.host_ip(self._next), threads, float(rtt_ms), rate)
+        behind = threads and self.reach == "scheduler"  # a worker the client cannot reach
+        subnet, bridge = ((net.BACK_SUBNET, net.BACK_BRIDGE) if behind
+                          else (net.SUBNET, net.BRIDGE))
+        host = Host(name, net.host_ip(self._next, subnet), threads, float(rtt_ms), rate)
         self._next += 1
-        net.make_host(name, host.ip)
+        net.make_host(name, host.ip, bridge)
         if rate:
             net.set_rate(name, rate)
         self.hosts[name] = host
@@ -210,6 +224,8 @@ class NetCluster:
                                f"{host.ip}:{host.port + PROXY_OFFSET}",
                                "--target", f"{host.ip}:{host.port}", "--rtt-ms",
                                str(host.rtt_ms), "--max-seconds", str(self.lifetime)], "proxy")
+        if host.ip.startswith(net.BACK_SUBNET + "."):
+            return  # not reachable from here to wait on; the worker's joining is waited for
         _wait_port(host.ip, host.port + PROXY_OFFSET, time.monotonic() + self.start_timeout,
                    [p], self.logs / f"{host.name}-proxy.log")
 
@@ -218,7 +234,8 @@ class NetCluster:
 
     def _start_scheduler(self) -> None:
         h = self.scheduler
-        p = self._spawn(h, [self._dask(), "scheduler", "--host", h.ip, "--port",
+        listen = "0.0.0.0" if h.back_ip else h.ip  # both legs
+        p = self._spawn(h, [self._dask(), "scheduler", "--host", listen, "--port",
                             str(h.port), "--no-dashboard"], "dask")
         _wait_port(h.ip, h.port, time.monotonic() + self.start_timeout, [p],
                    self.logs / f"{h.name}-dask.log")
@@ -226,8 +243,15 @@ class NetCluster:
 
     @property
     def address(self) -> str:
-        """The scheduler's address, as clients and workers reach it."""
+        """The scheduler's address, as the client reaches it."""
         return self.scheduler.address
+
+    @property
+    def worker_side_address(self) -> str:
+        """The scheduler's address, as the workers reach it (its back leg where the
+        workers are behind it)."""
+        h = self.scheduler
+        return f"tcp://{h.back_ip}:{h.port}" if h.back_ip else h.address
 
     def add_worker(self, threads: int = 1, rtt_ms: float = 0.0, rate: str | None = None,
                    xla_flags: str = "", wait: bool = True) -> Host:
@@ -238,7 +262,8 @@ class NetCluster:
         host = self._host(f"w{index}", int(threads), rtt_ms, rate)
         host.xla_flags = xla_flags
         self._proxy(host)
-        self._spawn(host, [self._dask(), "worker", self.address, "--nthreads", str(threads),
+        self._spawn(host, [self._dask(), "worker", self.worker_side_address,
+                           "--nthreads", str(threads),
                            "--no-nanny", "--no-dashboard", "--name", host.name,
                            "--memory-limit", "0", "--death-timeout", "60",
                            "--listen-address", f"tcp://{host.ip}:{host.port}",

@@ -1,11 +1,18 @@
 """The network of the simulated cluster: one Linux network namespace per host, joined
 by veth pairs to one bridge in the caller's namespace, which is the client's host.
 
+A second topology puts the workers behind the scheduler, as a Kubernetes service, a
+port-forward or a gateway does: the workers' hosts hang on a back bridge
+(:data:`BACK_BRIDGE`, ``10.77.1.0/24``) that the caller's namespace has no address on,
+the scheduler's host is on both bridges and forwards nothing, and the caller's route to
+the back subnet is a blackhole (a packet to a worker goes nowhere, as to a pod address
+from outside its cluster), so the client reaches the scheduler and no worker.
+
 Everything made here is named with :data:`PREFIX`, so :func:`clean` finds and removes
 what a crashed run left behind, and nothing else. Addresses are the project's own test
 hosts, ``10.77.0.0/24``: the client's side of the bridge is ``10.77.0.1``; nothing is
 routed beyond that subnet (no default route, no forwarding, the host's own interfaces
-and routes untouched). Bandwidth is a ``tbf`` qdisc on both ends of a host's veth pair.
+and routes untouched; the one route added, the back subnet's blackhole, is ours). Bandwidth is a ``tbf`` qdisc on both ends of a host's veth pair.
 Needs root and ``ip``/``tc`` (iproute2): :func:`missing` says what is not there (cheap),
 :func:`unavailable` also tries to make a namespace. Where the tools are missing, nothing
 of ours can exist: :func:`clean` and :func:`namespaces` find nothing.
@@ -23,6 +30,9 @@ PREFIX = "pbnc"
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "10.77.0"
 CLIENT_IP = f"{SUBNET}.1"
+#: The bridge and subnet of workers the client cannot reach (the scheduler's second leg).
+BACK_BRIDGE = f"{PREFIX}-bk"
+BACK_SUBNET = "10.77.1"
 #: At most this many hosts (scheduler included): addresses .2 to .(2 + MAX_HOSTS - 1).
 MAX_HOSTS = 40
 
@@ -117,6 +127,10 @@ def clean() -> list[str]:
         if name.startswith(f"{PREFIX}-"):
             run("ip", "link", "del", name, check=False)
             removed.append(name)
+    if BACK_SUBNET + ".0/24" in run("ip", "route", "show", "type", "blackhole",
+                                    check=False).stdout:
+        run("ip", "route", "del", "blackhole", f"{BACK_SUBNET}.0/24", check=False)
+        removed.append(f"blackhole {BACK_SUBNET}.0/24")
     return removed
 
 
@@ -126,28 +140,51 @@ def make_bridge() -> None:
     run("ip", "link", "set", BRIDGE, "up")
 
 
-def host_ip(index: int) -> str:
+def make_back_bridge() -> None:
+    """The workers' bridge of the scheduler-only topology: no address here, and a
+    blackhole for its subnet, so that nothing from this namespace reaches it (nor leaks
+    to the default route)."""
+    run("ip", "link", "add", BACK_BRIDGE, "type", "bridge")
+    run("ip", "link", "set", BACK_BRIDGE, "up")
+    run("ip", "route", "add", "blackhole", f"{BACK_SUBNET}.0/24")
+
+
+def host_ip(index: int, subnet: str = SUBNET) -> str:
     if not 0 <= index < MAX_HOSTS:
         raise ValueError(f"netcluster: host index must be in [0, {MAX_HOSTS}), got {index}")
-    return f"{SUBNET}.{2 + index}"
+    return f"{subnet}.{2 + index}"
 
 
-def make_host(name: str, ip: str) -> str:
-    """A namespace ``pbnc-<name>`` with ``eth0`` at ``ip`` on the bridge; returns the
+def _leg(ns: str, outer: str, inner: str, ifname: str, ip: str, bridge: str) -> None:
+    """A veth pair from ``bridge`` (``outer``) into ``ns`` as ``ifname`` at ``ip``."""
+    run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+    run("ip", "link", "set", inner, "netns", ns)
+    run("ip", "link", "set", outer, "master", bridge, "up")
+    run("ip", "-n", ns, "link", "set", inner, "name", ifname)
+    run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
+    run("ip", "-n", ns, "link", "set", ifname, "up")
+
+
+def make_host(name: str, ip: str, bridge: str = BRIDGE) -> str:
+    """A namespace ``pbnc-<name>`` with ``eth0`` at ``ip`` on ``bridge``; returns the
     host-side veth's name."""
     ns = f"{PREFIX}-{name}"
     outer = f"{PREFIX}-{name}h"
     if len(outer) > 15:
         raise ValueError(f"netcluster: host name {name!r} too long for a link name")
     run("ip", "netns", "add", ns)
-    run("ip", "link", "add", outer, "type", "veth", "peer", "name", f"{PREFIX}-{name}n")
-    run("ip", "link", "set", f"{PREFIX}-{name}n", "netns", ns)
-    run("ip", "link", "set", outer, "master", BRIDGE, "up")
-    run("ip", "-n", ns, "link", "set", f"{PREFIX}-{name}n", "name", "eth0")
-    run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-    run("ip", "-n", ns, "link", "set", "eth0", "up")
+    _leg(ns, outer, f"{PREFIX}-{name}n", "eth0", ip, bridge)
     run("ip", "-n", ns, "link", "set", "lo", "up")
     return outer
+
+
+def add_back_leg(name: str, ip: str) -> None:
+    """Host ``name`` also on the back bridge (``eth1`` at ``ip``), forwarding nothing
+    between its two legs."""
+    ns = f"{PREFIX}-{name}"
+    _leg(ns, f"{PREFIX}-{name}k", f"{PREFIX}-{name}m", "eth1", ip, BACK_BRIDGE)
+    # /proc/sys/net is the namespace's own (sysctl would need procps)
+    run("ip", "netns", "exec", ns, "sh", "-c", "echo 0 > /proc/sys/net/ipv4/ip_forward")
 
 
 def _rate_bits(rate: str) -> float:

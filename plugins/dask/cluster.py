@@ -85,7 +85,8 @@ def scheduler_lost(address: str, why) -> ConnectionError:
 
 
 class Liveness:
-    """The workers of a cluster as last seen, less those that failed recently."""
+    """The workers of a cluster as last seen (and those that joined since), less those
+    that failed recently."""
 
     def __init__(self, client, timeout: float, nthreads: dict):
         self.client = client
@@ -93,6 +94,8 @@ class Liveness:
         self.nthreads = dict(nthreads)
         self.failures = 0
         self._quarantine: dict = {}  # address -> time it failed
+        self._why: dict = {}  # address -> how it failed, for the error of wait()
+        self._listed: dict = {}  # the workers the scheduler listed last, failed or not
         # Kept: a client that lost its scheduler forgets the address.
         self.scheduler_address = client.scheduler.address
 
@@ -104,23 +107,37 @@ class Liveness:
             raise scheduler_lost(self.scheduler_address, "the client is trying to reconnect"
                                  if status == "connecting" else f"the client is {status}")
 
-    def lose(self, address: str) -> None:
-        """``address`` did not answer: keep it out of the rotation for a while."""
+    def lose(self, address: str, why: str = "") -> None:
+        """``address`` did not answer (``why``): keep it out of the rotation for a while."""
         self._quarantine[address] = time.monotonic()
+        self._why[address] = why
+        self.nthreads.pop(address, None)
         self.failures += 1
+
+    def join(self, address: str, threads: int) -> None:
+        """A worker of ``threads`` threads joined (its probe said so, on the client's event
+        loop): the next evaluation places data on it. One that failed us recently waits
+        for the scheduler to list it again."""
+        if address not in self._quarantine:
+            self.nthreads[address] = max(1, int(threads))
+
+    def leave(self, address: str) -> None:
+        """A worker closed (it said so as it went): no message goes to it any more."""
+        self.nthreads.pop(address, None)
 
     async def alive(self) -> dict:
         """Workers the scheduler lists now, less those that just failed us."""
         self.check()
         try:
-            info = await self.client.scheduler.identity()
-        except (OSError, CommClosedError) as e:
+            # Bounded: a scheduler that does not answer is as good as lost.
+            info = await asyncio.wait_for(self.client.scheduler.identity(), self.timeout)
+        except (TimeoutError, OSError, CommClosedError) as e:
             raise scheduler_lost(self.scheduler_address, e) from e
         now = time.monotonic()
         self._quarantine = {a: t for a, t in self._quarantine.items()
                             if now - t < QUARANTINE_SECONDS}
-        alive = {a: w.get("nthreads", 1) for a, w in info.get("workers", {}).items()
-                 if a not in self._quarantine}
+        self._listed = {a: w.get("nthreads", 1) for a, w in info.get("workers", {}).items()}
+        alive = {a: n for a, n in self._listed.items() if a not in self._quarantine}
         if alive:
             self.nthreads = alive
         return alive
@@ -132,6 +149,16 @@ class Liveness:
             alive = await self.alive()
             if alive:
                 return alive
+            if time.monotonic() > deadline and self._listed:
+                failed = "; ".join(f"{a} ({self._why.get(a) or 'no answer'})"
+                                   for a in sorted(self._listed))
+                raise RuntimeError(
+                    f"DaskExecutor: the scheduler at {self.scheduler_address} lists "
+                    f"{len(self._listed)} worker(s), but none of them answered this client: "
+                    f"{failed}. If this client reaches only the scheduler (a port-forward, a "
+                    "Kubernetes service, dask-gateway), use DaskExecutor(..., "
+                    "transport='scheduler') or transport='auto' (the default); otherwise "
+                    "check that the workers' addresses are reachable from here.")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"DaskExecutor: no workers left in the cluster at {self.scheduler_address} "

@@ -3,14 +3,17 @@
 This module owns the client side of one evaluation: group the chunks by the
 worker that holds their shard of the data (:mod:`.placement`), send each worker
 one message with the traced values of its chunks and the shared parameters
-(:mod:`.protocol`), install data a worker lacks, re-assign the chunks of a
-worker that died to those that remain (:mod:`.cluster`), and tell the placement
-what each worker's message and compute took, so that it can give faster workers
-more of the data. Since every block is computed by the same code on the same
-prepared data, a re-assigned or re-placed chunk gives the same bits. With no
-worker left, an evaluation fails after ``timeout``; with the scheduler gone, at
-once (or once the client's reconnection times out), with a ``ConnectionError``
-that names the scheduler and says what to do.
+(:mod:`.protocol`), straight to it or relayed by the scheduler (:mod:`.transport`),
+install data a worker lacks, re-assign the chunks of a worker that died to those
+that remain and place the data again over workers that joined (:mod:`.cluster`),
+and tell the placement what each worker's message and compute took, so that it can
+give faster workers more of the data. Since every block is computed by the same
+code on the same prepared data, a re-assigned or re-placed chunk gives the same
+bits. With no worker left, an evaluation fails after ``timeout``; with the
+scheduler gone, at once (or once the client's reconnection times out), with a
+``ConnectionError`` that names the scheduler and says what to do. What the cluster
+did (routes chosen, data sent, workers lost and joined, data moved) goes to the
+``parallel_backend.dask`` logger.
 
 A site's spec and data stay on the workers while the executor caches the site. When
 it leaves the cache, the workers are told to forget them (a message to every worker
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -41,16 +45,16 @@ from parallel_backend.extend import ChunkError, Executor, InFlightLimit, chunks_
 
 from . import cluster, probe
 from . import worker as remote
-from .internals import run_on
-from .placement import RemoteSite, assign, blocks_held, forget_revived
+from .placement import RemoteSite, assign, blocks_held, compute_span, forget_revived
 from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
+from .transport import LOST, TRANSPORTS, Routes, SchedulerUnreachable
 
 __all__ = ["DaskExecutor"]
 
-#: Failures that mean "this worker is gone", not "fn is wrong".
+log = logging.getLogger("parallel_backend.dask")
+
 #: The name under which a site holds its RemoteSite (``SiteState.placed``).
 REMOTE = "dask.remote"
-_LOST = (OSError, CommClosedError, asyncio.TimeoutError, EOFError)
 _EVALUATE = cloudpickle.dumps(remote.evaluate)
 _INSTALL = cloudpickle.dumps(remote.install)
 
@@ -89,8 +93,18 @@ class DaskExecutor(Executor):
     rebalance : bool
         Move data between workers after measuring them, so that a worker behind a slow
         link or with slower threads holds fewer blocks (``plugins/dask/placement.py``);
-        ``False`` keeps the data where it was first placed, in proportion to the
-        workers' threads. Results are bitwise the same either way.
+        ``False`` keeps the data where it was placed, in proportion to the workers'
+        threads. Either way, workers that join take a share of the data at the next
+        evaluation, and the shares of workers that leave go to those that remain.
+        Results are bitwise the same either way.
+    transport : {"auto", "direct", "scheduler"}
+        How messages reach the workers (``plugins/dask/transport.py``): ``"direct"``, on
+        connections from this client to each worker (one round trip; the client must
+        reach every worker's address); ``"scheduler"``, relayed by the scheduler (the
+        client needs to reach only the scheduler: a Kubernetes service or port-forward,
+        dask-gateway, a managed service); ``"auto"``, direct to each worker that answers
+        a direct call within a few seconds at its first message, else through the
+        scheduler. ``stats()["transport"]`` says which is in use.
 
     Examples
     --------
@@ -104,9 +118,13 @@ class DaskExecutor(Executor):
 
     def __init__(self, client=None, address=None, *, timeout: float = 10.0,
                  n_workers: int | None = None, threads_per_worker: int = 1,
-                 dispatch: str = "auto", count_calls: bool = False, rebalance: bool = True):
+                 dispatch: str = "auto", count_calls: bool = False, rebalance: bool = True,
+                 transport: str = "auto"):
         if client is not None and address is not None:
             raise ValueError("DaskExecutor: give client= or address=, not both")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"DaskExecutor: unknown transport {transport!r}; known: "
+                             f"{sorted(TRANSPORTS)}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"DaskExecutor: timeout must be a positive number of seconds, got {timeout!r}")
         super().__init__(dispatch=dispatch, count_calls=count_calls)
@@ -142,14 +160,19 @@ class DaskExecutor(Executor):
         try:
             nthreads = cluster.wait_for_workers(self._client, self.timeout)
             cluster.register(self._client, remote.WorkerState(self._plugin), self._plugin)
-            self._probe = probe.watch(self._client, self._plugin)  # same bits everywhere?
             self._live = cluster.Liveness(self._client, self.timeout, nthreads)
+            self._routes = Routes(self._client, transport, self.timeout)
+            # Same bits everywhere? Each joiner's probe also tells the executor it joined.
+            self._probe = probe.watch(self._client, self._plugin, on_join=self._live.join,
+                                      on_leave=self._left)
             # Looked up once: it is a scheduler round trip, and repr/stats show it.
             services = self._client.scheduler_info().get("services", {})
             self._dashboard = self._client.dashboard_link if "dashboard" in services else None
         except BaseException:
             self._disconnect()
             raise
+        log.info("DaskExecutor on %s: %d workers, %d threads; transport %s",
+                 self.scheduler_address, len(nthreads), sum(nthreads.values()), transport)
 
     # -- cluster facts -------------------------------------------------------------
 
@@ -222,6 +245,8 @@ class DaskExecutor(Executor):
             # under the evaluation) are that loss, whatever they say.
             if isinstance(e, ChunkError) or self._client.status == "running":
                 raise
+            log.error("lost the scheduler at %s (%s: %s)", self._live.scheduler_address,
+                      type(e).__name__, e)
             raise cluster.scheduler_lost(self._live.scheduler_address, e) from e
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
@@ -255,28 +280,51 @@ class DaskExecutor(Executor):
         """The results of every chunk of ``per`` tiles, in block order."""
         t0 = time.perf_counter()
         done: dict = {}
-        # The workers last seen; the scheduler is asked again only after a failure
-        # (asking costs a scheduler round trip per call).
+        # The workers last seen (and those that joined since, told by their probe's
+        # event); the scheduler is asked again only after a failure (asking costs a
+        # scheduler round trip per call).
         alive = dict(self._live.nthreads)
         layout = r.layout
         if not layout.shards:
             layout.start(alive or await self._live.wait())
+        elif joined := sorted(set(alive) - layout.workers):
+            before = layout.tiles_held()
+            layout.grow(alive)
+            log.info("site %r: worker(s) %s joined; its data is placed again over %d workers "
+                     "(tiles per worker %s, before %s)", r.label, ", ".join(joined),
+                     len(alive), layout.tiles_held(), before)
         # This evaluation's layout, whatever another evaluation decides meanwhile.
         shards, owners = layout.shards, layout.owners
         # Chunks never straddle shards: each shard's data lives on one worker.
         tasks = [(s, c) for s in shards for c in chunks_within(r.tiles, s, per)]
         pending = list(tasks)
-        for _ in range(MAX_ROUNDS):
+        for round_ in range(MAX_ROUNDS):
             if not alive:
                 alive = await self._live.wait()
+            orphans = [i for i, a in enumerate(owners) if a not in alive]
             groups = assign(shards, owners, pending, alive)
+            if orphans:
+                moved = {}
+                for i in orphans:
+                    moved[owners[i]] = moved.get(owners[i], 0) + shards[i].count
+                log.warning("site %r: %d blocks of workers lost or gone now evaluated by %s",
+                            r.label, sum(shards[i].count for i in orphans),
+                            ", ".join(f"{a} ({n})" for a, n in sorted(moved.items())))
+            if round_:
+                log.info("site %r: evaluation round %d re-sends %d of %d chunks",
+                         r.label, round_ + 1, len(pending), len(tasks))
             outcomes = await asyncio.gather(
-                *[self._call(addr, r, group, evaluation) for addr, group in groups.items()],
-                return_exceptions=True)
+                *[self._call(addr, r, group, evaluation, alive.get(addr, 1))
+                  for addr, group in groups.items()], return_exceptions=True)
             lost = False
             for (addr, group), out in zip(groups.items(), outcomes):
-                if isinstance(out, (_WorkerGone, *_LOST)):
-                    self._lose(addr)
+                if isinstance(out, SchedulerUnreachable):
+                    lost = True  # the scheduler's fault, not the worker's: asked below
+                elif isinstance(out, (_WorkerGone, *LOST)):
+                    why = f"{type(out).__name__}: {out}"
+                    log.warning("worker %s lost (%s); its chunks go to the workers left",
+                                addr, why)
+                    self._lose(addr, why)
                     lost = True
                 elif isinstance(out, BaseException):  # fn failed (ChunkError), or else
                     raise out
@@ -286,20 +334,36 @@ class DaskExecutor(Executor):
                     layout.observe(shards, addr, alive.get(addr, 1), group, results, wall)
             pending = [t for t in tasks if t not in done]
             if not pending:
+                before = layout.tiles_held()
                 if self.rebalance and layout.evaluated(shards, time.perf_counter() - t0, alive):
                     self._replacements += 1
+                    log.info("site %r: data placed again by measured cost (move %d): tiles "
+                             "per worker %s, before %s", r.label, layout.moves,
+                             layout.tiles_held(), before)
                 return [done[t] for t in tasks]
             if lost:
                 alive = await self._live.alive()
         raise RuntimeError(f"DaskExecutor: workers of {self.scheduler_address} kept failing; "
                            f"{len(pending)} of {len(tasks)} chunks could not be evaluated")
 
-    def _lose(self, addr: str) -> None:
-        self._live.lose(addr)
-        for layout in self._placements.values():
+    def _lose(self, addr: str, why: str = "") -> None:
+        self._live.lose(addr, why)
+        self._forget_worker(addr)
+
+    def _left(self, addr: str) -> None:
+        """A worker said it is closing (retired, scaled down, its job ended)."""
+        log.info("worker %s left the cluster", addr)
+        self._live.leave(addr)
+        self._forget_worker(addr)
+
+    def _forget_worker(self, addr: str) -> None:
+        self._routes.forget(addr)
+        with self._remote_lock:
+            layouts = list(self._placements.values())
+        for layout in layouts:
             layout.lose(addr)
 
-    async def _call(self, addr, r: RemoteSite, group, evaluation):
+    async def _call(self, addr, r: RemoteSite, group, evaluation, threads: int):
         """``(results, seconds)`` of ``group`` on ``addr``: seconds of the message that
         computed them, ``None`` where data had to be installed first."""
         ev = evaluation
@@ -314,7 +378,11 @@ class DaskExecutor(Executor):
             t0 = time.perf_counter()
             reply = await self._send(addr, _EVALUATE, args)
             if reply.status == OK:
-                return reply.results, (time.perf_counter() - t0 if attempt == 0 else None)
+                if attempt:
+                    return reply.results, None
+                wall = time.perf_counter() - t0
+                self._routes.observe(addr, wall - compute_span(group, reply.results, threads))
+                return reply.results, wall
             if reply.status == ERROR:  # fn's failure, or the worker's InFlightLimit as itself
                 e = reply.error
                 raise e if isinstance(e, InFlightLimit) else ChunkError.wrap(
@@ -329,21 +397,16 @@ class DaskExecutor(Executor):
         args = cloudpickle.dumps((self._plugin, r.token, r.spec if need_spec else None,
                                   r.data_token, pieces))
         self._data_bytes += len(args)
+        log.info("site %r: sent %s%d shard(s) of data (%d blocks, %d bytes) to %s", r.label,
+                 "its spec and " if need_spec else "", len(pieces),
+                 sum(s.count for s in shards), len(args), addr)
         reply = await self._send(addr, _INSTALL, args)
         if reply.status == GONE:
             raise _WorkerGone(reply.detail)
 
     async def _send(self, addr, function: bytes, args: bytes):
-        reply = await run_on(self._client, addr, function, args, self.timeout)
         self.count(bytes_sent=len(function) + len(args))
-        if not isinstance(reply, dict) or reply.get("status") != "OK":
-            # dask's error reply names the exception in "exception_text" (a task that
-            # could not even be unpickled there, say)
-            text = (reply.get("exception_text") or reply.get("text")
-                    if isinstance(reply, dict) else reply)
-            raise RuntimeError(f"DaskExecutor: worker {addr} failed to run a parallel_backend "
-                               f"task: {text}")
-        return reply["result"]
+        return await self._routes.send(addr, function, args)
 
     # -- one-off work --------------------------------------------------------------
 
@@ -361,8 +424,16 @@ class DaskExecutor(Executor):
         ``worker_failures``, ``data_bytes_sent`` (data installed on workers, included
         in ``bytes_sent``), ``replacements`` (times data was moved to weigh the workers),
         ``blocks_per_worker`` (address -> blocks it holds, over the sites cached now),
-        ``scheduler`` and ``dashboard``."""
+        ``transport`` (``"direct"``, ``"scheduler"``, ``"direct+scheduler"`` where some
+        workers are reached each way, or the transport asked for before the first
+        evaluation), ``routes`` (address -> ``"direct"`` or ``"scheduler"``, for the
+        workers messaged), ``message_seconds`` (route -> median seconds a message cost
+        beyond the workers' compute, over the last 64: what the route adds to each
+        evaluation), ``scheduler`` and ``dashboard``."""
         out = super().stats()
+        out["transport"] = self._routes.summary()
+        out["routes"] = self._routes.routes()
+        out["message_seconds"] = self._routes.cost()
         out["worker_failures"] = self._live.failures
         out["data_bytes_sent"] = self._data_bytes
         out["replacements"] = self._replacements
@@ -373,6 +444,10 @@ class DaskExecutor(Executor):
         return out
 
     def release(self) -> None:
+        cost = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in self._routes.cost().items())
+        log.info("DaskExecutor on %s closed: %d evaluations, transport %s%s",
+                 self._live.scheduler_address, self.stats()["calls"], self._routes.summary(),
+                 f" (a message beyond compute: {cost})" if cost else "")
         probe.unwatch(self._client, self._probe)
         # A cluster that is gone holds no state to drop.
         with contextlib.suppress(Exception):

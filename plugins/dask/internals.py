@@ -1,9 +1,9 @@
 """Every use of dask.distributed's private parts, in one place.
 
-An evaluation sends one message straight to each worker instead of a task through the
-scheduler (whose batched streams add about 10 ms per round trip): that needs the
-client's connection pool and distributed's request/reply call, neither of which is
-public API, and the worker side finds its state among the worker's plugins. Each use
+On the direct route an evaluation sends one message straight to each worker instead of a
+task through the scheduler: that needs the client's connection pool and distributed's
+request/reply call, neither of which is public API, and the worker side finds its state
+among the worker's plugins. The route through the scheduler (``Client.run``) is public. Each use
 is a small name here; ``tests/integration/test_dask.py::test_dask_internals`` fails,
 naming the version, when a release changes one of them. Tested on dask and
 distributed 2026.8.0 (Python 3.11, 3.12, 3.13); ``docs/layout.rst`` lists them.

@@ -8,7 +8,10 @@ data's content, so a re-built model over the same data finds it. This module own
 :class:`Layout` (the shards of one data set and who holds each, shared by every site
 over that data) and the assignment of shards to workers.
 
-How many tiles a worker holds is decided from measurements (:meth:`Layout.observe`):
+The data starts out in proportion to the workers' threads, and is placed so again over
+every worker present when workers join (:meth:`Layout.grow`); the shards of a worker that
+leaves go to the least loaded of those that remain (:func:`assign`). How many tiles a
+worker holds is then decided from measurements (:meth:`Layout.observe`):
 its round trip (the time of its message less its compute) and its seconds per block
 per thread. The data starts out in proportion to the workers' threads; after
 ``SETTLE + WINDOW`` evaluations :func:`share_tiles` gives each worker the tiles that
@@ -33,8 +36,8 @@ import numpy as np
 
 from parallel_backend.extend import Chunk, even_slots
 
-__all__ = ["Layout", "RemoteSite", "assign", "blocks_held", "content_token", "forget_revived",
-           "share_tiles"]
+__all__ = ["Layout", "RemoteSite", "assign", "blocks_held", "compute_span", "content_token",
+           "forget_revived", "share_tiles"]
 
 #: Evaluations after a placement left out of its measurements: they install data and
 #: compile the new chunk shapes (their excess is what one placement costs).
@@ -147,13 +150,17 @@ class Layout:
         lost; :func:`assign` gives it another). Both lists are replaced when the data
         is placed again, so an evaluation keeps the ones it started with.
     moves : int
-        Re-placements made.
+        Re-placements made by measured cost since the workers last joined.
+    workers : set
+        The workers the last placement was made over (those that joined since are not
+        among them).
     """
 
     def __init__(self, tiles):
         self.tiles = tiles
         self.shards: list = []
         self.owners: list = []
+        self.workers: set = set()
         self.moves = 0
         self._placed: set = set()  # tile counts placed so far: never go back to one
         self._cost = None  # seconds the last placement cost (its settling evaluations)
@@ -181,6 +188,17 @@ class Layout:
         self.place(share_tiles(self.tiles.n_tiles, {a: (0.0, 1.0, threads[a])
                                                     for a in sorted(threads)}), threads)
 
+    def grow(self, threads: dict) -> None:
+        """Workers joined: place the data over all of ``threads`` (``address -> threads``)
+        in proportion to their threads, the workers that hold shards first, in their
+        order along the blocks, so that most of what they hold stays theirs. A new set of
+        workers: the measured moves start again from 0."""
+        held = [a for a in dict.fromkeys(self.owners) if a in threads]
+        order = held + sorted(a for a in threads if a not in held)
+        self.moves = 0
+        self.place(share_tiles(self.tiles.n_tiles, {a: (0.0, 1.0, threads[a])
+                                                    for a in order}), threads)
+
     def place(self, counts: dict, threads: dict) -> None:
         """Each worker its ``counts`` tiles (in block order), cut into one run per thread."""
         shards, owners, t = [], [], 0
@@ -192,12 +210,15 @@ class Layout:
                 owners.append(addr)
             t += m
         self.shards, self.owners = shards, owners
+        self.workers = set(threads)
         self._placed.add(tuple(counts.items()))
         self._cost = None
         self._measure()
 
     def lose(self, addr: str) -> None:
-        """``addr`` is gone: its shards wait for :func:`assign` to give them to others."""
+        """``addr`` is gone: its shards wait for :func:`assign` to give them to others (a
+        worker that comes back at ``addr`` counts as joining)."""
+        self.workers.discard(addr)
         if addr in self.owners:
             self.owners[:] = [None if a == addr else a for a in self.owners]
             self._measure()
@@ -208,12 +229,9 @@ class Layout:
         if shards is not self.shards or wall is None or len(self._settle) < SETTLE:
             return
         busy = sum(r.seconds for r in results)
-        per_shard: dict = {}
-        for (shard, _), r in zip(group, results):
-            per_shard[shard] = per_shard.get(shard, 0.0) + r.seconds
-        span = max(max(per_shard.values()), busy / max(threads, 1))
         blocks = sum(c.count for _, c in group)
-        self._samples.setdefault(addr, []).append((max(wall - span, 0.0), busy / blocks))
+        self._samples.setdefault(addr, []).append(
+            (max(wall - compute_span(group, results, threads), 0.0), busy / blocks))
 
     def evaluated(self, shards, wall: float, threads: dict) -> bool:
         """An evaluation of ``shards`` took ``wall`` seconds; after a window of them, place
@@ -251,6 +269,18 @@ class Layout:
                 or gain * HORIZON < self._cost):
             return None
         return proposal
+
+
+def compute_span(group, results, threads: int) -> float:
+    """Seconds a worker of ``threads`` threads computed for one message: ``group``'s
+    (shard, chunk) pairs gave ``results``; the chunks of one shard run one after another,
+    those of different shards side by side. What a message took beyond this is its round
+    trip."""
+    per_shard: dict = {}
+    for (shard, _), r in zip(group, results):
+        per_shard[shard] = per_shard.get(shard, 0.0) + r.seconds
+    busy = sum(per_shard.values())
+    return max(max(per_shard.values(), default=0.0), busy / max(threads, 1))
 
 
 def assign(shards, owners, tasks, alive: dict) -> dict:

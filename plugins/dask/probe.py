@@ -92,14 +92,19 @@ def _describe_on_worker(dask_worker=None) -> dict:
 
 
 class _ProbeAtJoin(WorkerPlugin):
-    """Evaluates the probe on a worker when it joins and reports it as an event."""
+    """Evaluates the probe on a worker when it joins and reports it as an event; reports
+    its leaving (closed by the scheduler, scaled down, at the end of its lifetime) too."""
 
     def __init__(self, topic: str):
         self.topic = topic
 
+    def teardown(self, worker) -> None:
+        worker.log_event(self.topic, {"address": worker.address, "left": True})
+
     def setup(self, worker) -> None:
         info = describe()
         info["address"] = worker.address
+        info["nthreads"] = getattr(worker.state, "nthreads", None) or getattr(worker, "nthreads", 1)
         worker.log_event(self.topic, info)
 
 
@@ -137,9 +142,12 @@ class Probe:
                 RuntimeWarning, stacklevel=stacklevel + 1)
 
 
-def watch(client, name: str, stacklevel: int = 3) -> Probe:
+def watch(client, name: str, stacklevel: int = 3, on_join=None, on_leave=None) -> Probe:
     """Compare every worker's probe with this process's now, and each later joiner's when it
-    joins; warn where they differ. ``name`` keys the plugin and the event topic.
+    joins; warn where they differ. ``name`` keys the plugin and the event topic; each
+    worker's report also goes to ``on_join(address, threads)``, and a worker that closes
+    calls ``on_leave(address)``, where given (on the client's event loop; the workers
+    there now report too; a worker killed outright never says it left).
 
     Examples
     --------
@@ -149,8 +157,18 @@ def watch(client, name: str, stacklevel: int = 3) -> Probe:
     """
     topic = f"{name}-probe"
     probe = Probe(describe(), topic)
-    client.subscribe_topic(topic, lambda event: probe.see(
-        {event[1]["address"]: event[1]}, stacklevel=1))
+
+    def joined(event):
+        info = event[1]
+        if info.get("left"):
+            if on_leave is not None:
+                on_leave(info["address"])
+            return
+        if on_join is not None:
+            on_join(info["address"], info.get("nthreads", 1))
+        probe.see({info["address"]: info}, stacklevel=1)
+
+    client.subscribe_topic(topic, joined)
     client.register_plugin(_ProbeAtJoin(topic), name=topic)
     # Those already there ran the plugin at registration (reported as events too, which
     # ``see`` then skips); asking them directly makes the first check synchronous.

@@ -1,10 +1,11 @@
 """The messages between a :class:`~parallel_backend.plugins.dask.DaskExecutor` and its workers.
 
-The client calls two functions on a worker directly (dask's ``run`` handler on a
-pooled connection, not the scheduler's task stream, which adds about 10 ms per
-round trip): :func:`~.worker.evaluate` with the traced values of some chunks, and
+The client calls two functions on a worker through dask's ``run`` handler (not the
+scheduler's task stream, whose batched messages cost more per round trip), straight on
+a pooled connection or relayed by the scheduler (:mod:`.transport`):
+:func:`~.worker.evaluate` with the traced values of some chunks, and
 :func:`~.worker.install` with a call site's spec and pieces of its data. Both answer
-with a :class:`Reply`. :func:`~.worker.release` (a site left the client's cache) goes
+with a :class:`Reply`, whichever way they came. :func:`~.worker.release` (a site left the client's cache) goes
 to every worker through the scheduler (``Client.run``), without waiting: it arrives in
 any order with the others, and a worker that lost what it needs answers ``missing``
 and is sent it again. This module owns the reply and the retry limits; it imports

@@ -6,8 +6,10 @@ computations rebuilt from them), the shards of prepared data that live there
 (sent once, keyed by content and blocks; a shard cut from one held here is served
 from it, so a worker whose share shrank receives nothing), and a thread pool that
 runs chunks. The client reaches it with :func:`evaluate` and :func:`install`,
-called straight on the worker (see :mod:`.protocol`), and with :func:`release`
-when a site leaves its cache; :func:`holdings` says what a worker keeps.
+called straight on the worker or, relayed by the scheduler, through :func:`relay`
+(see :mod:`.protocol` and :mod:`.transport`), with :func:`ping` to find a route, and
+with :func:`release` when a site leaves its cache; :func:`holdings` says what a worker
+keeps.
 
 Imports the core's interface, jax (lazily, after the environment is set),
 numpy, cloudpickle and distributed.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
 import os
 import threading
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -29,7 +33,8 @@ from .cluster import XLA_FLAGS
 from .internals import worker_plugin
 from .protocol import ERROR, GONE, MISSING, OK, Reply
 
-__all__ = ["WorkerState", "evaluate", "holdings", "install", "release", "release_everywhere"]
+__all__ = ["WorkerState", "evaluate", "holdings", "install", "ping", "relay", "release",
+           "release_everywhere"]
 
 
 class WorkerState(WorkerPlugin):
@@ -55,6 +60,9 @@ class WorkerState(WorkerPlugin):
         self.__dict__.update(state)
 
     def setup(self, worker) -> None:
+        # dask logs every call of its run handler; an evaluation's messages would be a line
+        # each, thousands a minute, in the worker's log (and a job queue's output file).
+        logging.getLogger("distributed.worker").addFilter(_quiet_runs)
         flags = os.environ.get("XLA_FLAGS", "")
         if self.limit_xla_threads and XLA_FLAGS not in flags:
             # XLA reads the flags when its CPU client starts (the first computation), so
@@ -152,6 +160,12 @@ class WorkerState(WorkerPlugin):
             shards = list(self.shards.values())
             return {"sites": len(self.specs), "programs": len(self.sites),
                     "shards": len(shards), "bytes": sum(r.nbytes for r in shards)}
+
+
+def _quiet_runs(record: logging.LogRecord) -> bool:
+    """Drop dask's "Run out-of-band function" line for this module's own functions."""
+    return not (record.msg == "Run out-of-band function %r" and record.args
+                and record.args[0] in _MESSAGES)
 
 
 def _covers(outer, inner) -> bool:
@@ -257,6 +271,18 @@ def release(name, tokens, data_tokens, dask_worker=None) -> Reply:
     return Reply(OK)
 
 
+def ping(dask_worker=None) -> None:
+    """Nothing: the call that tells whether, and how fast, a route reaches this worker."""
+
+
+async def relay(function: bytes, args: bytes, dask_worker=None):
+    """``function(*args)`` (both cloudpickled) on this worker: a message that the scheduler
+    relayed (``Client.run``) arrives as the same bytes a direct one carries, and runs the
+    same function, as dask's ``run`` handler runs a direct one."""
+    out = cloudpickle.loads(function)(*cloudpickle.loads(args), dask_worker=dask_worker)
+    return await out if inspect.isawaitable(out) else out
+
+
 def holdings(name, dask_worker=None) -> dict:
     """What the executor whose plugin is ``name`` keeps on this worker: ``sites``,
     ``programs``, data ``shards`` and their ``bytes`` (all 0 once it is closed).
@@ -270,6 +296,10 @@ def holdings(name, dask_worker=None) -> dict:
     if state is None or not hasattr(state, "lock"):
         return {"sites": 0, "programs": 0, "shards": 0, "bytes": 0}
     return state.holdings()
+
+
+#: The functions the client runs on workers, by the name dask logs them under.
+_MESSAGES = frozenset({"evaluate", "install", "release", "ping", "relay", "holdings"})
 
 
 async def release_everywhere(client, plugin, tokens, data_tokens) -> None:

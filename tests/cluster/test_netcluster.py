@@ -1,10 +1,13 @@
-"""NUTS through ``DaskExecutor`` on a cluster of separate network hosts (issue 40).
+"""NUTS through ``DaskExecutor`` on a cluster of separate network hosts.
 
 The scheduler and every worker run in their own network namespace (``benchmarks/
 netcluster``): a 1-thread worker behind a 2 ms round trip, a 2-thread worker behind
 100 Mbit/s. Workers die and join while NUTS runs; the draws stay bitwise those of
-:class:`SerialExecutor`. A scheduler that cannot be reached fails fast, naming its
-address. Run with ``pytest -n 0 -m netcluster tests/cluster`` (as root).
+:class:`SerialExecutor`, also where this process reaches only the scheduler (the workers
+behind it, on a bridge this namespace has no address on: ``reach="scheduler"``), as a
+client of a Kubernetes service, a port-forward or a gateway does. A scheduler that cannot
+be reached, or dies, fails fast, naming its address. Run with
+``pytest -n 0 -m netcluster tests/cluster`` (as root).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ pytestmark = [pytest.mark.netcluster, pytest.mark.dask, pytest.mark.timeout(420)
 # The workers cannot import this module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-N = 12_000
+#: 36 blocks in 4 tiles (tiles are at least 8,192 rows): a share for each worker.
+N = 36_000
 BLOCK_ROWS = 1000
 
 
@@ -73,13 +77,16 @@ def run_nuts(executor, data, between=None, warmup=40, samples=40, seed=0):
     return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
 
 
-def kill_after(ex, cluster, host: str, calls: int, done: threading.Event):
-    """A thread that kills ``host`` once ``ex`` has made ``calls`` evaluations."""
+def kill_after(ex, cluster, host: str, calls: int, done: threading.Event, before=None):
+    """A thread that kills ``host`` once ``ex`` has made ``calls`` evaluations (calling
+    ``before()`` just before)."""
     def go():
         deadline = time.monotonic() + 240
         while ex.stats()["calls"] < calls and time.monotonic() < deadline:
             time.sleep(0.005)
         if time.monotonic() < deadline:
+            if before is not None:
+                before()
             cluster.kill(host)
             done.set()
 
@@ -88,12 +95,15 @@ def kill_after(ex, cluster, host: str, calls: int, done: threading.Event):
     return t
 
 
-def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
+@pytest.mark.parametrize("reach", ["all", "scheduler"])
+def test_nuts_bitwise_while_workers_die_and_join(netcluster, reach, x64):
     """Three hosts die or join while one chain runs: w1 dies in warmup (its shards go to
-    w2), w3 joins before sampling, w2 dies in sampling (everything goes to w3)."""
+    w2), w3 joins before sampling and takes a share of the data, w2 dies in sampling
+    (everything goes to w3). Where the client reaches only the scheduler, the executor
+    finds that at its first message and sends every message through the scheduler."""
     data = make_data()
     ref = run_nuts(pb.SerialExecutor(), data)
-    cluster = netcluster()
+    cluster = netcluster(reach=reach)
     killed_w1, killed_w2 = threading.Event(), threading.Event()
     with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
         assert ex.workers == 3
@@ -105,6 +115,20 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
             assert killed_w1.is_set(), "warmup ended before w1 was killed: make it longer"
             w3 = cluster.add_worker(threads=1, rtt_ms=1.0)
             seen["w3"] = w3.address
+            deadline = time.monotonic() + 60  # until its probe has told the executor
+            while w3.address not in ex._live.nthreads and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert w3.address in ex._live.nthreads, "the executor never heard w3 join"
+            seen["share"] = 0
+
+            def watch():  # the joiner's largest share while w2 still holds blocks (the
+                # weighing may later move it back to w2, the faster host)
+                while not killed_w2.is_set():
+                    held = ex.stats()["blocks_per_worker"].get(w3.address, 0)
+                    seen["share"] = max(seen["share"], held)
+                    time.sleep(0.01)
+
+            threading.Thread(target=watch, daemon=True).start()
             seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2)
 
         got = run_nuts(ex, data, between)
@@ -113,7 +137,10 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, x64):
         held = ex.client.run(holdings, ex._plugin, workers=[seen["w3"]])
     assert killed_w2.is_set(), "sampling ended before w2 was killed: make it longer"
     assert stats["worker_failures"] >= 2, stats
+    assert seen["share"] >= 1, seen  # the joiner took blocks before w2 died
     assert held[seen["w3"]]["shards"] >= 1, held  # the late worker took over the data
+    assert stats["transport"] == ("direct" if reach == "all" else "scheduler"), stats
+    assert set(stats["routes"].values()) == {stats["transport"]}, stats
     assert ref.keys() == got.keys()
     for k in ref:
         assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
@@ -144,6 +171,27 @@ def test_unreachable_scheduler_fails_fast_naming_it(netcluster):
         v = pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0, executor=ex, block_rows=500)
         assert float(v) == float(pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0,
                                                block_rows=500))
+
+
+def test_direct_transport_where_only_the_scheduler_is_reached_says_so(netcluster, x64):
+    """``transport="direct"`` asked for on a cluster whose workers this client cannot reach:
+    the evaluation fails within seconds with an error that says the scheduler lists the
+    worker, that it did not answer this client, and to use the scheduler transport (not
+    "no workers left")."""
+    cluster = netcluster({"threads": 1}, reach="scheduler")
+    worker = cluster.workers()[0].address
+    x = jnp.arange(3000.0)
+    with pb.DaskExecutor(address=cluster.address, dispatch="host", transport="direct",
+                         timeout=3) as ex:
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as info:
+            pb.reduce_sum(lambda r, m: -(r - m) ** 2, x, 1.0, executor=ex, block_rows=500)
+        took = time.monotonic() - t0
+    message = str(info.value)
+    assert took < 30, f"took {took:.1f} s"
+    assert "lists 1 worker(s), but none of them answered this client" in message, message
+    assert worker in message and "transport='scheduler'" in message, message
+    assert "no workers left" not in message, message
 
 
 def _wait_probed(ex, address: str, seconds: float = 90.0) -> None:
@@ -216,17 +264,19 @@ def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
         assert np.array_equal(ref[k], got[k]), f"draws of {k} differ from SerialExecutor's"
 
 
+@pytest.mark.parametrize("reach", ["all", "scheduler"])
 def test_scheduler_host_lost_fails_fast_and_the_checkpoint_finishes_the_run(netcluster, tmp_path,
-                                                                           x64):
+                                                                           reach, x64):
     """The scheduler's host dies while ``pb.sample`` checkpoints on the cluster: the run fails
     within seconds with an error naming the scheduler, the checkpoint is kept, and calling
-    ``pb.sample`` again (here on ``SerialExecutor``) finishes with the uninterrupted draws."""
+    ``pb.sample`` again (here on ``SerialExecutor``) finishes with the uninterrupted draws.
+    Also where every message goes through that scheduler."""
     data = make_data(6000)
     run = {"num_warmup": 30, "num_samples": 30, "num_chains": 1, "seed": 5,
            "progress_bar": False}
     ref = pb.sample(model, data, executor=pb.SerialExecutor(), **run)
     path = tmp_path / "run.nc"
-    cluster = netcluster({"threads": 2, "rtt_ms": 1.0})
+    cluster = netcluster({"threads": 2, "rtt_ms": 1.0}, reach=reach)
     address = cluster.address
     killed = []
 

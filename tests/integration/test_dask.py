@@ -1,5 +1,7 @@
 """DaskExecutor on real clusters: LocalClusters of worker processes, a cluster
-started with the ``dask scheduler`` / ``dask worker`` commands, TLS, worker loss.
+started with the ``dask scheduler`` / ``dask worker`` commands, TLS, worker loss, workers
+that join and leave, both transports (messages straight to the workers, and relayed by
+the scheduler).
 
 Every result is compared bitwise with :class:`SerialExecutor`'s (and values and
 gradients with ``jax.value_and_grad`` of the unsplit sum).
@@ -7,6 +9,7 @@ gradients with ``jax.value_and_grad`` of the unsplit sum).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -135,6 +138,97 @@ def test_bytes_per_call_are_parameters_not_data(dask_host, make_problem, x64):
     s2 = dask_host.stats()
     assert len(s2["sites"]) == 1
     assert s2["data_bytes_sent"] == s0["data_bytes_sent"]
+
+
+def test_transports_give_the_same_bits_and_bytes(client, make_problem, x64, assert_identical):
+    """The same evaluations straight to the workers and relayed by the scheduler: the same
+    bits, the same bytes per call, the data sent once each; ``"auto"`` finds that this
+    client reaches the workers and goes direct; ``stats()`` says which route is in use and
+    what a message costs on it."""
+    prob = make_problem("logistic", n=N)
+    ref = jax.jit(jax.value_and_grad(prob.split(pb.SerialExecutor(), block_rows=BLOCK_ROWS),
+                                     argnums=1))(*prob.args)
+    seen = {}
+    for transport in ("scheduler", "direct", "auto"):
+        with pb.DaskExecutor(client=client, dispatch="host", transport=transport) as ex:
+            assert ex.stats()["transport"] == transport  # nothing chosen before a message
+            f = jax.jit(jax.value_and_grad(prob.split(ex, block_rows=BLOCK_ROWS), argnums=1))
+            assert_identical(f(*prob.args), ref)
+            s0 = ex.stats()
+            for _ in range(4):
+                assert_identical(f(*prob.args), ref)
+            s1 = ex.stats()
+        route = "direct" if transport == "auto" else transport
+        assert s1["transport"] == route, s1
+        assert set(s1["routes"]) == set(client.scheduler_info()["workers"]), s1
+        assert set(s1["routes"].values()) == {route}, s1
+        assert set(s1["message_seconds"]) == {route}, s1
+        assert 0 < s1["message_seconds"][route] < 1.0, s1
+        assert s1["data_bytes_sent"] == s0["data_bytes_sent"] > 0, s1
+        seen[transport] = ((s1["bytes_sent"] - s0["bytes_sent"]) / 4, s0["data_bytes_sent"])
+    assert seen["scheduler"] == seen["direct"] == seen["auto"], seen
+
+
+def test_unknown_transport_names_the_known_ones(client):
+    with pytest.raises(ValueError, match=r"unknown transport 'grpc'; known: \['auto', "
+                                         r"'direct', 'scheduler'\]"):
+        pb.DaskExecutor(client=client, transport="grpc")
+
+
+@pytest.mark.timeout(300)
+def test_workers_that_join_and_leave_change_no_bit_and_are_logged(caplog, x64,
+                                                                  assert_identical):
+    """A cluster of one worker process grows to two while the executor runs (the newcomer
+    takes a share of the data at the next evaluation) and shrinks back (the worker that
+    leaves hands its share to the other); every evaluation is ``SerialExecutor``'s, and the
+    ``parallel_backend.dask`` logger says what happened: the route, the data sent, the
+    joiner, the worker that left and where its blocks went."""
+    data = make_data()
+
+    def f(ex):
+        return jax.jit(jax.value_and_grad(lambda m: pb.reduce_sum(
+            loglik, data, m, 1.0, 1.0, executor=ex, block_rows=BLOCK_ROWS)))
+
+    ref = f(pb.SerialExecutor())(0.3)
+    with (caplog.at_level(logging.INFO, logger="parallel_backend.dask"),
+          _cluster(n_workers=1) as cluster, Client(cluster) as c,
+          pb.DaskExecutor(client=c, dispatch="host", transport="scheduler") as ex):
+        g = f(ex)
+        assert_identical(g(0.3), ref)
+        (first,) = c.scheduler_info()["workers"]
+        assert ex.stats()["blocks_per_worker"] == {first: 20}
+        cluster.scale(2)
+        c.wait_for_workers(2, timeout=60)
+        (second,) = set(c.scheduler_info()["workers"]) - {first}
+        deadline = time.monotonic() + 60  # its probe's event tells the executor it joined
+        while second not in ex._live.nthreads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_identical(g(0.3), ref)
+        held = ex.stats()["blocks_per_worker"]
+        assert held.get(second, 0) > 0 and held.get(first, 0) > 0, held
+        cluster.scale(1)
+        deadline = time.monotonic() + 60
+        while len(c.scheduler_info()["workers"]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (left,) = {first, second} - set(c.scheduler_info()["workers"])
+        t0 = time.monotonic()
+        assert_identical(g(0.3), ref)
+        assert time.monotonic() - t0 < 10  # no wait on the worker that left
+        (stays,) = {first, second} - {left}
+        assert ex.stats()["blocks_per_worker"].get(stays) == 20, ex.stats()
+        s = ex.stats()
+        # Not a line per message in the workers' logs (a job queue's output files).
+        lines = [m for w in c.get_worker_logs().values() for _, m in w]
+        assert any("Starting Worker plugin" in m or "Worker plugin" in m for m in lines) or lines
+        assert not [m for m in lines if "out-of-band function 'evaluate'" in m
+                    or "out-of-band function 'relay'" in m], lines
+    assert s["transport"] == "scheduler", s
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "parallel_backend.dask")
+    assert f"worker {first}: through the scheduler" in text, text
+    assert "sent its spec and 1 shard(s) of data (20 blocks" in text, text
+    assert f"worker(s) {second} joined" in text, text
+    assert f"worker {left} left the cluster" in text, text
+    assert f"now evaluated by {stays}" in text, text
 
 
 def test_compiled_once_per_chunk_shape_on_workers(client, x64):
@@ -337,12 +431,13 @@ def test_new_executor_on_a_scheduler_whose_workers_died_says_so(cli_cluster, x64
 
 
 @pytest.mark.timeout(300)
-def test_worker_killed_during_nuts_draws_unchanged(x64):
+@pytest.mark.parametrize("transport", ["direct", "scheduler"])
+def test_worker_killed_during_nuts_draws_unchanged(transport, x64):
     data = make_data()
     ref = run_nuts(pb.SerialExecutor(), data, warmup=40, samples=40)
     with _cluster() as cluster, Client(cluster) as c:
         pids = c.run(os.getpid)
-        with pb.DaskExecutor(client=c, dispatch="host") as ex:
+        with pb.DaskExecutor(client=c, dispatch="host", transport=transport) as ex:
             killed = threading.Event()
 
             def kill_when_running():
@@ -363,6 +458,7 @@ def test_worker_killed_during_nuts_draws_unchanged(x64):
             s = ex.stats()
     assert killed.is_set()
     assert s["worker_failures"] >= 1, s
+    assert s["transport"] == transport, s
     assert_same_draws(got, ref)
 
 
