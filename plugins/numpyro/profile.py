@@ -23,6 +23,9 @@ alike); the report gives medians.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -59,7 +62,9 @@ __all__ = [
 MARGIN = 1.1
 
 
-def profile(model, *model_args, executors=None, nuts=True, chains=1, **model_kwargs):
+def profile(model: Callable[..., Any], *model_args: Any,
+            executors: Sequence[Any] | Mapping[str, Any] | None = None, nuts: bool = True,
+            chains: int = 1, **model_kwargs: Any) -> ProfileReport:
     """Time one gradient of ``model``'s log-density in plain NumPyro and on each executor.
 
     Finds the model's ``pb.factor`` sites and builds, per variant, the jitted value

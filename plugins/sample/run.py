@@ -23,6 +23,8 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -43,15 +45,23 @@ from .loop import collected_fields, lanes_for, to_host
 from .progress import Progress, terminal
 from .tuning import Tuner
 
+if TYPE_CHECKING:
+    import arviz
+    import xarray
+
 __all__ = ["ConversionError", "sample"]
 
 CHAIN_METHODS = ("vectorized", "parallel", "sequential")
 
 
-def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
-           chain_method="vectorized", seed=0, executor=None, progress_bar=True,
-           init_params=None, nuts_kwargs=None, posterior_predictive=False, arviz_kwargs=None,
-           checkpoint=None, checkpoint_every=100, **model_kwargs):
+def sample(model: Callable[..., Any] | MCMCKernel, *model_args: Any, num_warmup: int = 1000,
+           num_samples: int = 1000, num_chains: int = 4,
+           chain_method: str | Callable[..., Any] = "vectorized", seed: int | jax.Array = 0,
+           executor: pb.Executor | str | None = None, progress_bar: bool = True,
+           init_params: Any = None, nuts_kwargs: Mapping[str, Any] | None = None,
+           posterior_predictive: bool = False, arviz_kwargs: Mapping[str, Any] | None = None,
+           checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 100,
+           **model_kwargs: Any) -> xarray.DataTree | arviz.InferenceData:
     """Run NumPyro's NUTS on ``model`` and return the run in ArviZ's format.
 
     Every ``pb.reduce_sum``/``pb.factor`` inside the model runs on ``executor``
