@@ -42,7 +42,7 @@ from . import checkpoint as ckpt
 from .chains import Chains
 from .fingerprint import check, fingerprint, signature
 from .loop import collected_fields, lanes_for, to_host
-from .progress import Progress, terminal
+from .progress import Progress
 from .tuning import Tuner
 
 if TYPE_CHECKING:
@@ -85,8 +85,10 @@ def sample(model: Callable[..., Any] | MCMCKernel, *model_args: Any, num_warmup:
         Default: the innermost ``use_executor``, else the default executor. A name
         (``"thread"``) makes one for this call and closes it afterwards.
     progress_bar : bool
-        Show a bar (only when ``sys.stdout`` is a terminal) with NumPyro's figures,
-        gradient evaluations per second and the executor's worker count.
+        Show progress with NumPyro's figures, gradient evaluations per second and the
+        executor's worker count: a bar in a terminal and in Jupyter (a widget with
+        ipywidgets installed, a text bar without); elsewhere (a batch job, a pipe) an
+        INFO line on the ``parallel_backend.sample`` logger at every tenth of the run.
     init_params : pytree, optional
         Initial unconstrained values, as for ``MCMC.run``.
     nuts_kwargs : dict, optional
@@ -196,7 +198,7 @@ def sample(model: Callable[..., Any] | MCMCKernel, *model_args: Any, num_warmup:
     history = ckpt.History(saved, num_warmup + num_samples,
                            lanes.kind == "each" and num_chains > 1)
     progress = Progress(ex, num_chains, num_warmup, num_samples,
-                        enabled=bool(progress_bar) and terminal(), done=history.transitions,
+                        enabled=bool(progress_bar), done=history.transitions,
                         resumed_from=history.resumed_at, resume_count=history.count)
     # A copy: NumPyro's HMC keeps what init builds (a vectorized init wraps its
     # sample function in vmap), so a kernel used twice must start afresh.
