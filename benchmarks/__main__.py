@@ -98,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="markdown tables from records")
     p.add_argument("files", nargs="+", help="JSON-lines files of records ('-': stdin)")
+    p.add_argument("--stacks", action="store_true",
+                   help="runs on different Python/jax stacks side by side in one table")
+    p.add_argument("--bench", default=None,
+                   help="comma list: only these kinds of run (gradients, device, nuts...)")
 
     p = sub.add_parser("plot", help="the plots of docs/performance.md from records")
     p.add_argument("files", nargs="+", help="JSON-lines files of records")
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
         if args.command == "report":
             from .report import render
 
-            print(render(recs), end="")
+            benches = args.bench.split(",") if args.bench else None
+            print(render(recs, stacks=args.stacks, benches=benches), end="")
         else:
             from .plots import plot
 

@@ -5,19 +5,25 @@ Build (fails on any warning or broken reference)::
     .venv/bin/python -m sphinx -W -n --keep-going -b html docs docs/_build/html
     .venv/bin/python -m sphinx -W -n --keep-going -b doctest docs docs/_build/doctest
 
-``docs/design.md`` and ``docs/performance.md`` stay Markdown (the benchmark runs
-update ``performance.md``); Sphinx reads only the ``.rst`` pages here, and the
-Performance page pulls the tables of ``performance.md`` in with the local
-``mdtables`` extension. Its plots are PNGs in ``docs/_static/``, drawn from the results
-files by ``python benchmarks/plots.py`` and committed; the build only shows them.
+The pages are reStructuredText (``.rst``) and Markdown (``.md``, read by MyST through
+myst-nb); the notebooks of ``examples/`` are shown with the outputs they are committed
+with (myst-nb, never executed here: the test suite executes them). They are copied into
+``docs/notebooks/`` (not in git) when the build starts, since Sphinx reads pages only
+under ``docs/``. The plots of ``performance.md`` are PNGs in ``docs/_static/``, drawn
+from the benchmark records by ``python -m benchmarks plot FILE`` and committed; the build
+only shows them.
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+NOTEBOOKS = os.path.join(HERE, "notebooks")
 sys.path.insert(0, os.path.join(HERE, "_ext"))
 
 import parallel_backend
@@ -31,17 +37,37 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
+    "myst_nb",
     "mdtables",
 ]
 
 root_doc = "index"
-source_suffix = {".rst": "restructuredtext"}
-exclude_patterns = ["_build"]
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
+
+
+def _markdown_with_a_rst_page() -> list:
+    """Markdown pages that a reST page of the same name shows (its tables, through
+    ``mdtables``): that page is the one in the toctree."""
+    return sorted(name for name in os.listdir(HERE) if name.endswith(".md")
+                  and os.path.exists(os.path.join(HERE, name[:-3] + ".rst")))
+
+
+exclude_patterns = ["_build", *_markdown_with_a_rst_page()]
 templates_path: list = []
 html_theme = "alabaster"
-html_static_path: list = []  # _static/ holds the plots, which the figure directive copies
+html_static_path: list = []  # _static/ holds the plots, which the image directives copy
 html_theme_options = {"description": "Parallel gradients for one NumPyro chain",
                       "fixed_sidebar": True}
+
+# MyST: `$...$` and `$$...$$` math in the Markdown pages; headings get anchors so that
+# `[text](page.md#heading)` links resolve.
+myst_enable_extensions = ["dollarmath"]
+myst_heading_anchors = 3
+# The notebooks are committed with their outputs; the test suite executes them
+# (tests/integration/test_examples.py), on both supported stacks.
+nb_execution_mode = "off"
+# A progress bar redraws its line with carriage returns: show its last state only.
+nb_merge_streams = True
 
 # numpydoc-style docstrings through napoleon; types are rendered as text, since
 # jax/numpyro types cannot be cross-referenced without network access (intersphinx).
@@ -80,3 +106,21 @@ pb.set_default_executor(None)
 """
 
 mdtables_markdown_root = HERE
+
+
+def _copy_notebooks(app) -> None:
+    """``examples/*.ipynb`` into ``docs/notebooks/``, where Sphinx reads pages; a copy
+    is written only when its example differs, so that Sphinx reads an unchanged notebook
+    from its cache."""
+    os.makedirs(NOTEBOOKS, exist_ok=True)
+    wanted = {n for n in os.listdir(EXAMPLES) if n.endswith(".ipynb")}
+    for name in set(os.listdir(NOTEBOOKS)) - wanted:
+        os.remove(os.path.join(NOTEBOOKS, name))
+    for name in sorted(wanted):
+        source, copy = os.path.join(EXAMPLES, name), os.path.join(NOTEBOOKS, name)
+        if not os.path.exists(copy) or not filecmp.cmp(source, copy, shallow=False):
+            shutil.copyfile(source, copy)
+
+
+def setup(app):
+    app.connect("builder-inited", _copy_notebooks)

@@ -1,12 +1,11 @@
-"""A small directive for the Performance page.
+"""A directive that shows the pipe tables of a Markdown page on a reStructuredText page.
 
-``.. markdown-tables:: performance.md`` renders every pipe table of a Markdown
-file (kept in Markdown because benchmark runs rewrite it) as a reST table, titled
-by the Markdown heading above it. ``:match: regex`` keeps the tables whose heading
-matches. Cell text keeps its inline code and bold; nothing else is converted.
-
-The plots are plain figures of PNGs in ``_static/`` that ``python -m benchmarks plot``
-draws from the benchmark records.
+``.. markdown-tables:: page.md`` renders every pipe table of ``page.md`` as a reST
+table, titled by the Markdown heading above it; ``:match: regex`` keeps the tables
+whose heading matches. Cell text keeps its inline code and bold; nothing else is
+converted. MyST renders Markdown pages in full (``conf.py``), so this is needed only
+by a reST page that stands in for a Markdown page of the same name (``conf.py``
+leaves such a Markdown page out of the build).
 """
 
 from __future__ import annotations

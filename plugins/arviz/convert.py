@@ -12,6 +12,8 @@ core's public names, the NumPyro plugin's modules, and :mod:`.container`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -27,13 +29,22 @@ from ..numpyro.record import run_record
 from ..numpyro.replay import HMC_EXTRA_FIELDS, factor_sites, quietly, trace_model
 from . import container
 
+if TYPE_CHECKING:
+    import arviz
+    from numpyro.infer import MCMC
+
 __all__ = ["HMC_EXTRA_FIELDS", "to_arviz"]
 
 
-def to_arviz(mcmc, model=None, *, model_args=None, model_kwargs=None, executor=None,
-             log_likelihood=True, factor_data=True, coords=None, dims=None, chunk_draws=None,
-             chunk_rows=None, attrs=None, posterior_predictive=None, predictive_seed=0,
-             **from_numpyro_kwargs):
+def to_arviz(mcmc: MCMC, model: Callable[..., Any] | None = None, *,
+             model_args: tuple | None = None, model_kwargs: Mapping[str, Any] | None = None,
+             executor: pb.Executor | str | None = None, log_likelihood: bool = True,
+             factor_data: bool = True, coords: Mapping[str, Any] | None = None,
+             dims: Mapping[str, list[str]] | None = None, chunk_draws: int | None = None,
+             chunk_rows: int | None = None, attrs: Mapping[str, Any] | None = None,
+             posterior_predictive: bool | Mapping[str, Any] | None = None,
+             predictive_seed: int | jax.Array = 0,
+             **from_numpyro_kwargs: Any) -> xr.DataTree | arviz.InferenceData:
     """Convert a finished NumPyro ``MCMC`` run to ArviZ's format.
 
     Parameters

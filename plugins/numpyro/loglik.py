@@ -12,7 +12,8 @@ the core's public names; never ArviZ.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,9 @@ class LogLikPlan(NamedTuple):
     tasks: int
 
 
-def log_likelihood(model, samples: dict, *model_args, executor=None, **model_kwargs) -> dict:
+def log_likelihood(model: Callable[..., Any], samples: dict[str, Any], *model_args: Any,
+                   executor: pb.Executor | str | None = None,
+                   **model_kwargs: Any) -> dict[str, np.ndarray]:
     """Pointwise log-likelihood of every ``pb.factor``, ``pb.observe`` and observed site.
 
     The counterpart of ``numpyro.infer.log_likelihood``, with its keys and shapes: the

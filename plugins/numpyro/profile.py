@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,9 @@ __all__ = [
 MARGIN = 1.1
 
 
-def profile(model, *model_args, executors=None, nuts=True, chains=1, **model_kwargs):
+def profile(model: Callable[..., Any], *model_args: Any,
+            executors: Sequence[Any] | Mapping[str, Any] | None = None, nuts: bool = True,
+            chains: int = 1, **model_kwargs: Any) -> ProfileReport:
     """Time one gradient of ``model``'s log-density in plain NumPyro and on each executor.
 
     Finds the model's ``pb.factor`` sites and builds, per variant, the jitted value

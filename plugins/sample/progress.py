@@ -1,13 +1,16 @@
-"""The progress bar of ``pb.sample``, and its count of gradient evaluations.
+"""The progress display of ``pb.sample``, and its count of gradient evaluations.
 
 The sampling loop (:mod:`.loop`) hands each transition's figures (:func:`figures`)
 to the host (``jax.debug.callback``; under vectorized chains once per batch).
 :class:`Progress` counts gradient evaluations from them (each transition's leapfrog
 steps; a batch of chains evaluates together, as many times as its longest trajectory
 needs), which the tuner (:mod:`.tuning`) times per gradient and ``stats()`` reports, and
-turns them into a tqdm bar that shows, beside NumPyro's usual figures, gradient
-evaluations per second and the executor's worker count, and, for a run continued from a
-checkpoint, where it was resumed. The callback is always compiled in, shown or not, so
+shows them where the user looks (:func:`display`): a tqdm bar in a terminal, tqdm's
+notebook bar in Jupyter (``tqdm.auto``; a text bar there without ipywidgets), and
+otherwise (a batch job, a pipe) a line on the :data:`LOGGER` at every tenth of the run
+and when sampling starts. Beside NumPyro's usual figures it shows gradient evaluations
+per second and the executor's worker count, and, for a run continued from a checkpoint,
+where it was resumed. The callback is always compiled in, shown or not, so
 ``progress_bar`` never changes the compiled program and hence never the draws. NumPyro's
 own bar (``fori_collect``'s) cannot stand in: when on, it runs the loop body from
 Python, one call per iteration, another program than with it off, and it counts no
@@ -16,15 +19,25 @@ gradients. Imports jax, numpy, tqdm.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import threading
 import time
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Progress", "figures", "terminal"]
+__all__ = ["DISPLAYS", "LOGGER", "Progress", "display", "figures", "in_notebook", "terminal"]
+
+#: Where progress goes when there is neither a terminal nor a notebook to draw a bar in:
+#: INFO records, shown once the application configures logging
+#: (``logging.basicConfig(level=logging.INFO)``).
+LOGGER = logging.getLogger("parallel_backend.sample")
+
+#: The places :func:`display` tells apart.
+DISPLAYS = ("terminal", "notebook", "log")
 
 
 def terminal(stream=None) -> bool:
@@ -36,6 +49,46 @@ def terminal(stream=None) -> bool:
         return False
 
 
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (IPython's kernel application runs it)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:  # noqa: BLE001 - a half-imported IPython is not a kernel
+        return False
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def display(stream=None) -> str:
+    """Where a progress bar can be seen: ``"terminal"`` (``stream``, default
+    ``sys.stdout``, is one), ``"notebook"`` (a Jupyter kernel, whose output is not a
+    terminal) or ``"log"`` (neither: progress lines go to :data:`LOGGER`).
+
+    >>> import io
+    >>> display(io.StringIO())
+    'log'
+    """
+    if terminal(stream):
+        return "terminal"
+    return "notebook" if in_notebook() else "log"
+
+
+def _notebook_tqdm():
+    """``tqdm.auto``'s class: the notebook widget with ipywidgets, a text bar without."""
+    from tqdm import TqdmExperimentalWarning, TqdmWarning
+
+    with warnings.catch_warnings():
+        # tqdm warns that it falls back to text without ipywidgets, and that its notebook
+        # mode is experimental: either bar works, and the warning would be the only thing
+        # a user sees in the cell until the bar appears.
+        warnings.simplefilter("ignore", TqdmWarning)
+        warnings.simplefilter("ignore", TqdmExperimentalWarning)
+        from tqdm.auto import tqdm
+    return tqdm
+
+
 class Progress:
     """A tqdm bar over ``chains x (warmup + samples)`` transitions; a context manager.
 
@@ -45,9 +98,11 @@ class Progress:
         Whose ``stats()`` give the gradient-evaluation rate and worker count.
     num_chains, num_warmup, num_samples : int
     enabled : bool
-        Draw the bar (``False``: count silently).
+        Show progress (``False``: count silently).
     file : stream, optional
-        Where the bar goes; default ``sys.stdout``.
+        Where a terminal bar goes; default ``sys.stdout``.
+    where : {"terminal", "notebook", "log"}, optional
+        How to show it; default :func:`display`'s answer when the display opens.
     done : int
         Transitions made before this process started (a run resumed from a checkpoint);
         the bar starts there.
@@ -70,18 +125,26 @@ class Progress:
     """
 
     def __init__(self, executor, num_chains: int, num_warmup: int, num_samples: int, *,
-                 enabled: bool, file=None, done: int = 0, resumed_from=None,
-                 resume_count: int = 0):
+                 enabled: bool, file=None, where: str | None = None, done: int = 0,
+                 resumed_from=None, resume_count: int = 0):
+        if where is not None and where not in DISPLAYS:
+            raise ValueError(f"Progress: where must be one of {list(DISPLAYS)} or None, "
+                             f"got {where!r}")
         self.executor = executor
         self.total = num_chains * (num_warmup + num_samples)
         self.num_chains = num_chains
         self.num_warmup = num_warmup
+        self.num_samples = num_samples
         #: Wall seconds spent in each phase (compilation counts as warmup).
         self.seconds = {"warmup": 0.0, "sample": 0.0}
         self.enabled = bool(enabled)
         self.file = file
+        self.where = where
         self.done = int(done)
         self.count = self.done
+        # Where the display is the log: the counts of the next line and of the last one.
+        self._next_log = None
+        self._logged = self.done
         self.resumed = None if resumed_from is None else (int(resumed_from), int(resume_count))
         self.divergences = 0
         self._phase = "compiling"
@@ -96,7 +159,11 @@ class Progress:
         self._rate = 0.0
 
     def __enter__(self):
-        if self.enabled:
+        if not self.enabled:
+            return self
+        if self.where is None:
+            self.where = display(self.file)
+        if self.where == "terminal":
             from tqdm import tqdm
 
             # A terminal that reports no size (a fresh pty) would get an empty bar.
@@ -105,6 +172,15 @@ class Progress:
                              ncols=size.columns if size.columns > 0 else 100,
                              nrows=size.lines if size.lines > 0 else 20, unit="it",
                              desc=self.label(self._phase), initial=self.done)
+        elif self.where == "notebook":
+            self._bar = _notebook_tqdm()(total=self.total, file=self.file or sys.stdout,
+                                         mininterval=0.5, unit="it",
+                                         desc=self.label(self._phase), initial=self.done)
+        else:
+            self._next_log = self._tenth_after(self.done)
+            LOGGER.info("%s: %d chains x (%d warmup + %d draws), %d transitions done",
+                        self.label(self._phase), self.num_chains, self.num_warmup,
+                        self.num_samples, self.done)
         return self
 
     def __exit__(self, *exc):
@@ -123,6 +199,20 @@ class Progress:
             self._bar.set_postfix_str(self.postfix(), refresh=False)
             self._bar.close()
             self._bar = None
+        elif self.enabled and self.where == "log" and self._next_log is not None:
+            self._next_log = None
+            if self.count != self._logged:  # the run ended between two tenths
+                LOGGER.info("%s", self._log_line(time.perf_counter()))
+
+    def _tenth_after(self, count: int) -> int:
+        """The count of transitions at which the run reaches the tenth after ``count``'s."""
+        total = max(self.total, 1)
+        return -(-(count * 10 // total + 1) * total // 10)
+
+    def _log_line(self, now: float) -> str:
+        return (f"{self.label(self._phase)}: {self.count}/{self.total} transitions "
+                f"({100 * self.count // max(self.total, 1)}%), "
+                f"{now - self._t0:.1f} s, {self.postfix()}")
 
     def label(self, phase: str) -> str:
         """The bar's description: the phase, and where a resumed run was resumed."""
@@ -132,10 +222,13 @@ class Progress:
 
     def _set_phase(self, name: str) -> None:
         if name != self._phase:
-            self._phase = name
+            before, self._phase = self._phase, name
             self.divergences = 0
             if self._bar is not None:
                 self._bar.set_description(self.label(name), refresh=False)
+            elif self.enabled and self.where == "log" and before == "warmup":
+                LOGGER.info("%s: started after %.1f s of warmup", self.label(name),
+                            self.seconds["warmup"])
 
     def tick(self, i, num_steps, step_size, accept_prob, diverging) -> None:
         """One transition of one chain, or of a batch of chains (arrays; called from
@@ -157,11 +250,16 @@ class Progress:
             self.gradients += steps
             self.batches += steps * max(int(np.size(num_steps)), 1)
             self._last = (steps, float(np.mean(step_size)), float(np.mean(accept_prob)))
-            if self._bar is None:
+            if not self.enabled:
                 return
             self._rate = self.gradients / max(now - self._t0, 1e-9)
-            self._bar.set_postfix_str(self.postfix(), refresh=False)
-            self._bar.update(max(int(diverging.size), 1))
+            if self._bar is not None:
+                self._bar.set_postfix_str(self.postfix(), refresh=False)
+                self._bar.update(max(int(diverging.size), 1))
+            elif self._next_log is not None and self.count >= self._next_log:
+                self._next_log = self._tenth_after(self.count)
+                self._logged = self.count
+                LOGGER.info("%s", self._log_line(now))
 
     def postfix(self) -> str:
         steps, size, acc = self._last

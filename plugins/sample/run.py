@@ -23,6 +23,8 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -40,18 +42,26 @@ from . import checkpoint as ckpt
 from .chains import Chains
 from .fingerprint import check, fingerprint, signature
 from .loop import collected_fields, lanes_for, to_host
-from .progress import Progress, terminal
+from .progress import Progress
 from .tuning import Tuner
+
+if TYPE_CHECKING:
+    import arviz
+    import xarray
 
 __all__ = ["ConversionError", "sample"]
 
 CHAIN_METHODS = ("vectorized", "parallel", "sequential")
 
 
-def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
-           chain_method="vectorized", seed=0, executor=None, progress_bar=True,
-           init_params=None, nuts_kwargs=None, posterior_predictive=False, arviz_kwargs=None,
-           checkpoint=None, checkpoint_every=100, **model_kwargs):
+def sample(model: Callable[..., Any] | MCMCKernel, *model_args: Any, num_warmup: int = 1000,
+           num_samples: int = 1000, num_chains: int = 4,
+           chain_method: str | Callable[..., Any] = "vectorized", seed: int | jax.Array = 0,
+           executor: pb.Executor | str | None = None, progress_bar: bool = True,
+           init_params: Any = None, nuts_kwargs: Mapping[str, Any] | None = None,
+           posterior_predictive: bool = False, arviz_kwargs: Mapping[str, Any] | None = None,
+           checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 100,
+           **model_kwargs: Any) -> xarray.DataTree | arviz.InferenceData:
     """Run NumPyro's NUTS on ``model`` and return the run in ArviZ's format.
 
     Every ``pb.reduce_sum``/``pb.factor`` inside the model runs on ``executor``
@@ -75,8 +85,10 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
         Default: the innermost ``use_executor``, else the default executor. A name
         (``"thread"``) makes one for this call and closes it afterwards.
     progress_bar : bool
-        Show a bar (only when ``sys.stdout`` is a terminal) with NumPyro's figures,
-        gradient evaluations per second and the executor's worker count.
+        Show progress with NumPyro's figures, gradient evaluations per second and the
+        executor's worker count: a bar in a terminal and in Jupyter (a widget with
+        ipywidgets installed, a text bar without); elsewhere (a batch job, a pipe) an
+        INFO line on the ``parallel_backend.sample`` logger at every tenth of the run.
     init_params : pytree, optional
         Initial unconstrained values, as for ``MCMC.run``.
     nuts_kwargs : dict, optional
@@ -186,7 +198,7 @@ def sample(model, *model_args, num_warmup=1000, num_samples=1000, num_chains=4,
     history = ckpt.History(saved, num_warmup + num_samples,
                            lanes.kind == "each" and num_chains > 1)
     progress = Progress(ex, num_chains, num_warmup, num_samples,
-                        enabled=bool(progress_bar) and terminal(), done=history.transitions,
+                        enabled=bool(progress_bar), done=history.transitions,
                         resumed_from=history.resumed_at, resume_count=history.count)
     # A copy: NumPyro's HMC keeps what init builds (a vectorized init wraps its
     # sample function in vmap), so a kernel used twice must start afresh.

@@ -1,4 +1,6 @@
-"""The documentation builds with no warning or broken reference, and its examples run.
+"""The documentation builds with no warning or broken reference, every page renders in
+full (the Markdown pages through MyST, the notebooks with their outputs), and its
+examples run.
 
 Runs the two builds CI runs (``sphinx-build -W -n --keep-going``: html, then the
 doctest builder on the same doctrees) into a temporary folder, in subprocesses so
@@ -7,6 +9,7 @@ that the examples' JAX settings stay out of the test process.
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import subprocess
@@ -26,6 +29,9 @@ CONTRACT = ["reduce_sum", "SerialExecutor", "ThreadExecutor", "DaskExecutor", "D
 
 #: The plots of the Performance page (docs/_static/, drawn by benchmarks/plots.py).
 PLOTS = ["speedup_rows_hmm.png", "speedup_cores_16.png"]
+
+#: The notebooks of examples/ and the plots each shows in its committed outputs.
+NOTEBOOKS = {"diagnostics": 3, "dask_cluster": 2}
 
 pytest.importorskip("sphinx")
 
@@ -51,7 +57,8 @@ def test_html_build_has_no_warnings(built):
     assert "WARNING" not in html.stderr, html.stderr
     pages = {p for p in os.listdir(tmp / "html") if p.endswith(".html")}
     assert {"index.html", "getting_started.html", "how_it_works.html", "executors.html",
-            "performance.html", "api.html", "troubleshooting.html"} <= pages
+            "numpyro.html", "compatibility.html", "checkpoints.html", "performance.html",
+            "cluster.html", "api.html", "troubleshooting.html", "design.html"} <= pages
 
 
 def test_doctests_in_the_pages_pass(built):
@@ -82,6 +89,47 @@ def test_performance_page_shows_the_benchmark_tables_and_plots(built):
         assert f"](_static/{png})" in markdown, png
         assert f'src="_images/{png}"' in page, png
         assert os.path.exists(tmp / "html" / "_images" / png), png
+
+
+def words(text) -> str:
+    """The words and numbers of ``text``, space-separated: markup and punctuation aside."""
+    return " ".join(re.findall(r"[A-Za-z0-9]+", text))
+
+
+@pytest.mark.parametrize("name", ["performance", "compatibility", "design"])
+def test_markdown_pages_render_in_full(built, name):
+    """Every heading and the first words of every paragraph of a Markdown page reach its
+    HTML page (MyST renders the page, not only its tables)."""
+    tmp, _, _ = built
+    with open(tmp / "html" / f"{name}.html", encoding="utf-8") as fh:
+        page = words(html.unescape(re.sub(r"<[^>]+>", " ", fh.read())))
+    with open(os.path.join(DOCS, f"{name}.md"), encoding="utf-8") as fh:
+        text = re.sub(r"```.*?```", "", fh.read(), flags=re.DOTALL)
+    text = re.sub(r"\]\([^)]*\)", "]", text)  # a link's text is shown, not its target
+    checked = 0
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block or block.startswith(("|", "![", "**gradients**", "**scaling**",
+                                          "**device**", "**nuts**")):
+            continue  # tables: test_performance_page_shows_the_benchmark_tables_and_plots
+        block = re.sub(r"^(?:\d+\.|[-*+])\s+", "", block)  # a list item's marker is not text
+        first = " ".join(words(block).split()[:8])
+        assert first in page, f"{name}.md: {first!r} is not on the page"
+        checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_notebooks_are_shown_with_their_outputs(built, name):
+    tmp, _, _ = built
+    with open(tmp / "html" / "notebooks" / f"{name}.html", encoding="utf-8") as fh:
+        page = fh.read()
+    images = re.findall(r'<img [^>]*src="\.\./_images/([^"]+\.png)"', page)
+    assert len(images) >= NOTEBOOKS[name], images
+    for png in images:
+        assert os.path.exists(tmp / "html" / "_images" / png), png
+    # the outputs as Jupyter shows them: the progress bar's last state, then the results
+    assert page.count("sample: 100%") == 1 and "r_hat" in page
 
 
 def test_api_reference_documents_every_public_name_that_exists(built):

@@ -1,10 +1,11 @@
-"""Every example runs at a small size, and the notebook executes without a failing cell.
+"""Every example runs at a small size, and the notebooks execute without a failing cell.
 
-Examples run as scripts in subprocesses (as a user runs them); the notebook runs on
-the ``python3`` kernel through ``nbclient``, with the kernel started from this
-interpreter so that it sees the same environment.
+Examples run as scripts in subprocesses (as a user runs them); the notebooks run through
+``examples/execute_notebooks.py`` (``nbclient``, a kernel started from this interpreter so
+that it sees the same environment), small, their sizes set by environment variables.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -56,27 +57,39 @@ def test_dask_cluster():
     assert "dask" in out and "alpha" in out
 
 
-def test_diagnostics_notebook():
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    from jupyter_client.manager import KernelManager
-
-    nb = nbformat.read(os.path.join(EXAMPLES, "diagnostics.ipynb"), as_version=4)
-    os.environ.update(PB_NB_ROWS="3000", PB_NB_WARMUP="60", PB_NB_SAMPLES="30")
-    try:
-        # The kernel is this interpreter (the project's venv), whatever kernelspecs exist.
-        km = KernelManager(kernel_name="python3")
-        km.kernel_cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        client = nbclient.NotebookClient(nb, km=km, timeout=300,
-                                         resources={"metadata": {"path": EXAMPLES}})
-        client.execute()  # raises CellExecutionError on the first failing cell
-    finally:
-        for k in ("PB_NB_ROWS", "PB_NB_WARMUP", "PB_NB_SAMPLES"):
-            os.environ.pop(k, None)
+def execute_notebook(name, **sizes):
+    """Run ``examples/<name>`` on a fresh kernel of this interpreter with the environment
+    variables ``sizes`` (a small run), through the runner that stores the notebooks'
+    outputs; returns its outputs, every failing cell raising ``CellExecutionError``."""
+    pytest.importorskip("nbclient")
+    spec = importlib.util.spec_from_file_location(
+        "execute_notebooks", os.path.join(EXAMPLES, "execute_notebooks.py"))
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    nb = runner.execute(os.path.join(EXAMPLES, name), env={**os.environ, **sizes}, timeout=300)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # the trace plot, the posterior predictive check, the speedup plot
     text = "".join(str(o.get("data", {}).get("text/plain", "")) + o.get("text", "")
                    for o in outputs)
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    return text, images
+
+
+def test_diagnostics_notebook():
+    text, images = execute_notebook("diagnostics.ipynb", PB_NB_ROWS="3000", PB_NB_WARMUP="60",
+                                    PB_NB_SAMPLES="30", PB_NB_TIMING_ROWS="20000")
+    assert len(images) >= 3  # the trace plot, the posterior predictive check, the speedup plot
     assert "elpd_loo" in text and "r_hat" in text
+    # pb.sample's progress bar shows in Jupyter (its stdout is not a terminal)
+    assert "sample: 100%" in text and "grad/s=" in text and "workers=2" in text
+
+
+@pytest.mark.dask
+def test_dask_cluster_notebook():
+    pytest.importorskip("distributed")
+    text, images = execute_notebook("dask_cluster.ipynb", PB_NB_ROWS="2000", PB_NB_WARMUP="60",
+                                    PB_NB_SAMPLES="30")
+    assert len(images) >= 2  # the trace plot, the posterior predictive check
+    assert "'executor': 'dask'" in text and "'workers': 2" in text and "r_hat" in text
+    calls = int(text.split("'calls': ")[1].split(",")[0])
+    assert calls > 90  # every gradient of 90 iterations ran on the cluster

@@ -99,6 +99,30 @@ def test_report_never_mixes_settings_and_rejects_other_json(bench, tmp_path):
         bench.records.load([str(bad)])
 
 
+def test_report_puts_stacks_side_by_side(bench):
+    """``--stacks``: one table per machine, precision and settings, a group of columns per
+    Python/jax stack in version order; a case one stack lacks shows "-"; ``--bench``
+    keeps the kinds of run asked for."""
+    rec = bench.records.record
+    recs = []
+    for python, jax_version, ratio in (("3.12.1", "0.12.0.1", 3.0), ("3.11.7", "0.10.2", 2.0)):
+        env = {"machine": "m", "date": "2026-01-01", "python": python, "jax": jax_version,
+               "numpyro": "0.22.0", "cores": 2}
+        cases = [("hmm", 1000)] + ([("negbin", 2000)] if python == "3.11.7" else [])
+        recs += [rec(env, "gradients", name, n, "float32", v, s, 0.01, 3,
+                     {"loop": 4, "sets": 0}, {"route": "host"} if v == "thread" else {})
+                 for name, n in cases for v, s in (("plain", 0.01), ("thread", 0.01 / ratio))]
+        recs.append(rec(env, "device", "hmm", 1000, "float32", "plain", 0.01, 0.01, 3))
+    (table,) = bench.report.tables(recs, stacks=True, benches=["gradients"])
+    lines = table.splitlines()
+    assert "Python 3.11.7, jax 0.10.2; Python 3.12.1, jax 0.12.0.1" in lines[0]
+    assert lines[2] == ("| likelihood | rows | py3.11 plain ms | py3.11 thread | py3.12 plain ms "
+                        "| py3.12 thread |")
+    assert lines[4:] == ["| hmm | 1,000 | 10.00 | 2.00x (host) | 10.00 | 3.00x (host) |",
+                         "| negbin | 2,000 | 10.00 | 2.00x (host) | - | - |"]
+    assert len(bench.report.tables(recs)) == 4  # without --stacks: one per stack and kind
+
+
 def test_plots_are_drawn_from_records(bench, tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks.plots import plot

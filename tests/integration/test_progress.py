@@ -1,0 +1,71 @@
+"""Where ``pb.sample``'s progress goes: a bar on a terminal (``test_sample.py`` runs one on
+a pseudo-terminal), a bar in a Jupyter kernel, and lines on the ``parallel_backend.sample``
+logger where no bar can be seen (a batch job, a pipe). The notebooks of ``examples/``
+show the Jupyter bar in their outputs (``test_examples.py``)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+import pytest
+
+import parallel_backend as pb
+from helpers import regression_data, regression_model
+from parallel_backend.plugins.sample.progress import LOGGER, Progress, display
+
+
+def tick_through(bar, chains, iterations):
+    for i in range(1, iterations + 1):
+        bar.tick(np.full(chains, i), np.full(chains, 3), 0.1, 0.8, np.zeros(chains, bool))
+
+
+def test_without_a_terminal_or_notebook_progress_is_logged_every_tenth(caplog):
+    assert display(io.StringIO()) == "log"
+    assert LOGGER.name == "parallel_backend.sample"
+    with (caplog.at_level(logging.INFO, logger=LOGGER.name), pb.SerialExecutor() as ex,
+          Progress(ex, 2, 10, 15, enabled=True, file=io.StringIO()) as bar):
+        tick_through(bar, 2, 25)
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER.name]
+    assert lines[0] == "compiling: 2 chains x (10 warmup + 15 draws), 0 transitions done"
+    assert lines[1].startswith("warmup: 6/50 transitions (12%), ")  # the first tenth passed
+    assert sum("transitions (" in line for line in lines) == 10  # one per tenth, no more
+    assert lines[-1].startswith("sample: 50/50 transitions (100%), ")
+    assert "grad/s=" in lines[-1] and "workers=1" in lines[-1] and "div=0" in lines[-1]
+    started = [line for line in lines if "started after" in line]
+    assert len(started) == 1 and started[0].startswith("sample: started after ")
+
+
+def test_a_run_that_ends_between_tenths_logs_its_end(caplog):
+    with (caplog.at_level(logging.INFO, logger=LOGGER.name),
+          Progress(None, 1, 3, 4, enabled=True, where="log") as bar):
+        tick_through(bar, 1, 7)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[-1].startswith("sample: 7/7 transitions (100%)")
+    assert len(lines) == len(set(lines))  # the last tenth is not written twice
+
+
+def test_disabled_progress_and_bad_places_say_nothing(caplog):
+    with (caplog.at_level(logging.INFO, logger=LOGGER.name),
+          Progress(None, 1, 3, 4, enabled=False, where="log") as bar):
+        tick_through(bar, 1, 7)
+    assert not caplog.records and bar.count == 7
+    with pytest.raises(ValueError, match=r"where must be one of \['terminal', 'notebook', 'log'\]"):
+        Progress(None, 1, 3, 4, enabled=True, where="screen")
+
+
+def test_sample_without_a_terminal_writes_progress_lines_to_the_log(caplog, capsys):
+    """``pb.sample`` with stdout not a terminal (captured here, as a pipe or a batch job's
+    file would be) outside Jupyter: no bar on stdout, a line on the log every tenth."""
+    with caplog.at_level(logging.INFO, logger=LOGGER.name):
+        pb.sample(regression_model, regression_data(400), num_warmup=40, num_samples=20,
+                  num_chains=2, executor="serial", seed=3,
+                  arviz_kwargs={"log_likelihood": False})
+    out = capsys.readouterr()
+    assert "transitions" not in out.out + out.err and "\r" not in out.out + out.err
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER.name]
+    assert lines[0] == "compiling: 2 chains x (40 warmup + 20 draws), 0 transitions done"
+    assert sum("transitions (" in line for line in lines) == 10
+    assert lines[-1].startswith("sample: 120/120 transitions (100%)")
+    assert any(line.startswith("sample: started after") for line in lines)
