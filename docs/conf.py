@@ -19,12 +19,10 @@ from __future__ import annotations
 import filecmp
 import os
 import shutil
-import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
 NOTEBOOKS = os.path.join(HERE, "notebooks")
-sys.path.insert(0, os.path.join(HERE, "_ext"))
 
 import parallel_backend
 
@@ -38,21 +36,13 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "myst_nb",
-    "mdtables",
 ]
 
 root_doc = "index"
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 
 
-def _markdown_with_a_rst_page() -> list:
-    """Markdown pages that a reST page of the same name shows (its tables, through
-    ``mdtables``): that page is the one in the toctree."""
-    return sorted(name for name in os.listdir(HERE) if name.endswith(".md")
-                  and os.path.exists(os.path.join(HERE, name[:-3] + ".rst")))
-
-
-exclude_patterns = ["_build", *_markdown_with_a_rst_page()]
+exclude_patterns = ["_build"]
 templates_path: list = []
 html_theme = "alabaster"
 html_static_path: list = []  # _static/ holds the plots, which the image directives copy
@@ -104,9 +94,6 @@ HAS_DASK, HAS_DEVICE = _has("DaskExecutor"), _has("DeviceExecutor")
 doctest_global_cleanup = """
 pb.set_default_executor(None)
 """
-
-mdtables_markdown_root = HERE
-
 
 def _copy_notebooks(app) -> None:
     """``examples/*.ipynb`` into ``docs/notebooks/``, where Sphinx reads pages; a copy

@@ -127,7 +127,7 @@ def scan_reduce_per_row(closed, rows: int, trace) -> float:
 
 #: A batched block reads at most about this many bytes in each reduction within its
 #: rows: a mixture's ``logsumexp`` lost to plain in large blocks, and a wider mixture
-#: from smaller blocks on (the sweeps: docs/performance.md, "The block rule").
+#: from smaller blocks on (the sweeps: git history of docs/performance.md).
 ROW_REDUCE_BYTES = 96 * 1024
 
 
@@ -166,7 +166,7 @@ def _row_reduce(jaxpr, rows: int, bytes_: bool = False) -> int:
 #: this many rows keeps that reduction under :data:`.blocks.YNN_REDUCE` (see
 #: :func:`detect_form`). jax 0.12 ran every width of mixture tried faster looped, down to
 #: the smallest blocks; jax 0.10 ran the same looped programs slower than the batch from
-#: 5 components on, faster at 2 and 3 (docs/performance.md, "Reductions within rows").
+#: 5 components on, faster at 2 and 3 (git history of docs/performance.md).
 ROW_REDUCE_LOOP_ROWS = 48 if jax.__version_info__ >= (0, 12) else 1024
 
 #: Reductions within rows loop their blocks only where XLA's CPU pool has at most this
@@ -214,7 +214,7 @@ def detect_form(closed, rows: int | None = None, fixed: bool = False) -> str:
 #: the blocks, XLA 0.10 ran that contraction, batched over the blocks, slower the wider it
 #: was (to a quarter of plain's speed at 80 features), where one set at a time followed
 #: plain from 8 features on; jax 0.12 ran every width as fast or faster with the sets inside
-#: (docs/performance.md, "Vectorized chains of a wide regression"). jax 0.11 is not
+#: (docs/performance.md, "Vectorized chains"). jax 0.11 is not
 #: measured and takes jax 0.10's rule (``benchmarks/device_check.sh``, part ``sets``).
 SETS_EACH_WIDTH = 8 if jax.__version_info__ < (0, 12) else 0
 
@@ -239,7 +239,7 @@ def sets_form(closed, rows: int, form: str) -> str:
     """How a batch of parameter sets (vectorized chains) is evaluated: ``"each"``, one
     set at a time, each the unbatched program (a looped site, and a batched one that
     contracts rows over :data:`SETS_EACH_WIDTH` or more elements), else ``"inside"``,
-    the sets inside the blocks (:mod:`.sets`). ``closed``: ``fn`` traced on ``rows``."""
+    the sets inside the blocks (:mod:`.batching`). ``closed``: ``fn`` traced on ``rows``."""
     if form == "looped":
         return "each"
     wide = SETS_EACH_WIDTH and _row_contraction(closed.jaxpr, rows) >= SETS_EACH_WIDTH
@@ -579,7 +579,7 @@ def constant_conditions(closed, n_resident: int, blocks, found=None) -> tuple:
     may simplify the program with it (a ``where`` that always keeps the log-density is
     dropped) the same way on every route. Plain NumPyro gets the same from XLA, which
     folds the data it closes over; a block cannot let it, as the host route passes
-    the data at run time (docs/performance.md, "Conditions on the data")."""
+    the data at run time (git history of docs/performance.md)."""
     found = conditions(closed, n_resident) if found is None else found
     if not found:
         return ()
@@ -617,7 +617,9 @@ def computes(closed, rules: bool = True) -> str:
     something changed since is seen. First derivatives only; where the derivative
     cannot be traced (a rule that refuses some input), only that is in the digest.
     Trace it under the precision of ``closed``'s trace."""
-    h = hashlib.sha256(str(closed.jaxpr).encode())
+    # Printed without colours: JAX colours a jaxpr where its process started on a
+    # terminal or in Jupyter, and a dask worker's digest must be the caller's.
+    h = hashlib.sha256(closed.jaxpr.pretty_print(use_color=False).encode())
     todo, called = [(closed.consts, closed.jaxpr)], set()
     while todo:
         consts, jaxpr = todo.pop()

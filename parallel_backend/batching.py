@@ -210,7 +210,7 @@ def site_batching(route, wrt):
 def tangent_batching(evaluate):
     """``f(traced, shared)``: ``evaluate(traced, shared, None)``, and under ``vmap`` (a batch
     of tangents, as ``jax.hessian`` makes, or of parameter sets) ``evaluate(traced, shared,
-    set_axes)`` with every level's axis folded into one axis of sets (:func:`.sets.nest_sets`),
+    set_axes)`` with every level's axis folded into one axis of sets (:func:`.batching.nest_sets`),
     as the host path's callback flattens the levels: the graph's Hessian-vector products
     then lay out their batch as a host task does, and have its bits."""
 

@@ -184,7 +184,7 @@ def balance_blocks(plan: BlockPlan) -> BlockPlan:
 #: scan's steps over one block, so small blocks pay the per-step overhead once per
 #: block, and a step of more than about 8 KB per value left the cache: larger blocks
 #: (10 KB) and powers of two measured slower on AMD EPYC and Intel Xeon machines
-#: (the sweeps: benchmarks/results/performance_history_2026-11-26.md).
+#: (the sweeps: git history of docs/performance.md).
 LOOPED_BYTES = 8000
 #: The rows of :data:`LOOPED_BYTES` in float32.
 LOOPED_ROWS = LOOPED_BYTES // 4

@@ -63,7 +63,7 @@ VJP_RULES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 #: Host code: callbacks and foreign calls.
 HOST_CODE = frozenset({"pure_callback", "io_callback", "callback", "debug_callback",
                        "custom_call", "ffi_call"})
-#: Linear algebra that XLA:CPU runs as jaxlib LAPACK kernels (see :mod:`.forms`).
+#: Linear algebra that XLA:CPU runs as jaxlib LAPACK kernels (see :mod:`.analysis`).
 LAPACK = frozenset({"cholesky", "triangular_solve", "lu", "qr", "geqrf", "geqp3",
                     "householder_product", "eigh", "eig", "svd", "schur", "hessenberg",
                     "tridiagonal", "tridiagonal_solve"})

@@ -303,7 +303,7 @@ def default_route(executor, state) -> str:
     other).
 
     On an accelerator (a GPU, a TPU) the graph, where it evaluates plain NumPyro's
-    program (:meth:`.spec.Program.plain_partials`): one kernel over every row, which a
+    program (``Program.plain_partials``): one kernel over every row, which a
     block loop or a callback to host threads only slows.
 
     Fewer tiles than workers still pays: on 16 cores the HMM at 10,000 and 50,000

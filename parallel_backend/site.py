@@ -42,7 +42,7 @@ class SiteState:
     spec : SiteSpec
     decision : {"graph", "host"} or None
         Where this executor evaluates the site where nothing was measured (its
-        ``dispatch``, or the rule of :func:`~parallel_backend.dispatch.default_route`);
+        ``dispatch``, or the rule of :func:`~parallel_backend.routes.default_route`);
         set when the site is first traced.
     measured : Choice or None
         What ``pb.sample`` measured on this site, and where it then ran it.

@@ -3,9 +3,9 @@
 This module owns :class:`SiteSpec`, the picklable description of one call site
 (``fn``, tree structures, which data leaves are traced, the block and tile plans,
 the evaluation form, precision), and :class:`Program`, what a spec computes in one
-process: the hoisted split of ``fn`` (:mod:`.hoist`), the data prepared once per
+process: the hoisted split of ``fn`` (:mod:`.analysis`), the data prepared once per
 site (padded into blocks, with the residuals), and the pure functions that turn
-blocks into per-block partials. Imports jax and numpy. The forms: see :mod:`.forms`.
+blocks into per-block partials. Imports jax and numpy. The forms: see :mod:`.analysis`.
 
 Every block has ``block_rows`` rows; the last is padded with copies of the last
 row, and a mask keeps the padding out of the value and of every gradient (in the
@@ -102,14 +102,14 @@ class SiteSpec(NamedTuple):
     label : str
         ``fn``'s name, for messages.
     constants : tuple
-        Conditions on the data read as constants (:func:`.hoist.constant_conditions`).
+        Conditions on the data read as constants (:func:`.analysis.constant_conditions`).
     computes : str
         What ``fn`` computes on a block where the site was made
-        (:func:`.traced.computes`); every process that traces the spec checks it.
+        (:func:`.analysis.computes`); every process that traces the spec checks it.
     row_loop : bool
-        Looped for a reduction within rows, not for a ``scan`` (:func:`.forms.detect_form`).
+        Looped for a reduction within rows, not for a ``scan`` (:func:`.analysis.detect_form`).
     sets : {"inside", "each"}
-        How a batch of parameter sets is evaluated (:func:`.forms.sets_form`).
+        How a batch of parameter sets is evaluated (:func:`.analysis.sets_form`).
     """
 
     fn: Any
@@ -181,7 +181,7 @@ class Program:
         self.blocks_pool = blocks_pool(closed)
         self.gate = pool_gate(self.blocks_pool)
         #: Per prepared leaf, whether ``fn`` reads it only as positions: the in-graph
-        #: route shows those to XLA (see :func:`.forms.index_leaves`); residuals never.
+        #: route shows those to XLA (see :func:`.analysis.index_leaves`); residuals never.
         self.positions = index_leaves(closed, self.split.raw) + (False,) * len(self.split.residuals)
         if self.split.hoisted:
             self._known = known_function(self.split)
@@ -228,7 +228,7 @@ class Program:
                masked=True, order=1, pin=True) -> Partials:
         """One block's partials: its value, shared gradients, per-row gradients. A
         ``masked`` block keeps its rows from ``valid`` on (padding) out of all three;
-        ``pin``: beside the small product of :meth:`.tasks.Partials.pinned`.
+        ``pin``: beside the small product of guard ``pin`` (:func:`.guards.pin`).
 
         ``order=2``: ``traced`` and ``shared`` end with the tangents of the leaves
         ``diff_traced``/``diff_shared`` mark, and the partials are the tangents of the
@@ -271,7 +271,7 @@ class Program:
         ``masked`` or none; then, with ``tail`` (the padded last block's ``(prepared,
         traced, valid)``, an axis of one block each), that block alone, masked, after them.
         ``set_axes``: a batch of parameter sets, inside the blocks (see
-        :func:`.sets.over_blocks`); the outputs then lead with the sets. ``order``: see
+        :func:`.batching.over_blocks`); the outputs then lead with the sets. ``order``: see
         :meth:`_block`.
 
         Only a padded block needs the mask, and the mask costs: the ``where`` that keeps
@@ -442,7 +442,7 @@ class Program:
         where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
         vmap axes of ``(traced, shared)`` under a batch of parameter sets, mapped inside
         the blocks as in the graph path, or ``None``; a site of ``sets="each"`` maps the
-        unbatched program over them (:func:`.sets.each_set`). ``order`` 2: Hessian-vector
+        unbatched program over them (:func:`.batching.each_set`). ``order`` 2: Hessian-vector
         products (see :meth:`_block`), a batch of tangents mapped inside the blocks in
         either form.
         """
@@ -478,7 +478,7 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
               label=None, balance=True, resident=None) -> SiteSpec:
     """The :class:`SiteSpec` of a call: which leaves are traced, the evaluation form (from
     a trace of ``fn`` on one block), the tile plan, and, with the default block size, the
-    form's own blocks: batched, no larger than :func:`~.forms.row_reduce_cap` allows and
+    form's own blocks: batched, no larger than :func:`~.analysis.row_reduce_cap` allows and
     evened out; looped, :func:`~.blocks.looped_blocks`; and the conditions on the
     resident rows read as constants."""
     traced = tuple(is_tracer(x) for x in leaves)
@@ -522,7 +522,7 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
 
 def _constants(spec: SiteSpec, resident, closed) -> tuple:
     """Conditions on the data that hold in every row or in none, constants on every route
-    (:func:`.hoist.constant_conditions`), read from ``closed`` (``fn`` on one block)."""
+    (:func:`.analysis.constant_conditions`), read from ``closed`` (``fn`` on one block)."""
     structs = spec.block_struct()
     with jax.enable_x64(spec.x64), jax.default_device(host_device()):
         found = conditions(closed, len(structs[0]))

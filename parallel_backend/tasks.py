@@ -258,7 +258,7 @@ def run_task(task: Task) -> ChunkResult:
     """Evaluate ``task`` on the calling thread, with one compiled call: one ``vmap`` over
     its blocks in the batched form, one loop over them in the looped form; under a batch
     of parameter sets where the site evaluates them one at a time (``Program.sets_each``),
-    that mapped over the sets (:func:`.sets.map_sets`), as in the graph path."""
+    that mapped over the sets (:func:`.batching.map_sets`), as in the graph path."""
     program, resident, chunk, ev = task.program, task.resident, task.chunk, task.evaluation
     spec = program.spec
     try:

@@ -6,7 +6,7 @@ dask and device as plugins) override :meth:`Executor.run_tasks` and, where they
 need to, :attr:`Executor.workers`, :meth:`Executor.graph_partials`,
 :meth:`Executor.bytes_per_call` and :meth:`Executor.release`. The host path
 itself lives in :mod:`parallel_backend.host`, the graph/host decision in
-:mod:`parallel_backend.dispatch`. Imports the core only.
+:mod:`parallel_backend.routes`. Imports the core only.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Executor:
     Either way every block is computed the same way, so the choice never changes a
     result. With ``"auto"`` a rule of the site's shapes picks where nothing was
     measured, and ``pb.sample`` measures both on real segments of the sampler and
-    keeps the faster (see :mod:`parallel_backend.dispatch`). It counts evaluations
+    keeps the faster (see ``parallel_backend.routes``). It counts evaluations
     in :meth:`stats`.
 
     Parameters
@@ -154,7 +154,7 @@ class Executor:
 
     def decide(self, state: SiteState) -> str:
         """Where ``state``'s site runs where nothing was measured: ``"graph"`` or
-        ``"host"`` (:func:`parallel_backend.dispatch.default_route`). Subclasses may
+        ``"host"`` (:func:`parallel_backend.routes.default_route`). Subclasses may
         override it; it must not time or compile anything (it runs while tracing)."""
         return _routes.default_route(self, state)
 

@@ -223,7 +223,6 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
     --------
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import parallel_backend as pb
-from parallel_backend.extend import reduce_rows
     >>> x = jnp.linspace(-1.0, 1.0, 6)
     >>> def model(x, y=None):
     ...     b = numpyro.sample("b", dist.Normal(0.0, 1.0))

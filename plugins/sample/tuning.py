@@ -6,7 +6,7 @@ segments of the compiled sampling loop (the choice is a runtime input of the loo
 :class:`Tuner` uses that: after the loop has compiled, it times a few short segments
 of the sampler on each route, alternately, as seconds per gradient evaluation (the
 transitions' leapfrog steps), and keeps the host route only where
-:func:`parallel_backend.dispatch.choose` says it is faster beyond the noise. Nothing is
+:func:`parallel_backend.routes.choose` says it is faster beyond the noise. Nothing is
 compiled or timed while tracing, the measured segments are real work of the run,
 and a resumed run measures again. It also counts, per site, the gradient
 evaluations that ran in the graph (no callback counts those), for ``stats()``.

@@ -218,3 +218,33 @@ def test_a_chunk_shape_compiled_after_another_site_computes_the_first(case, exec
         assert_close(again, plain(fn, x)(0.3), RTOL)
     finally:
         set_value(1.0)
+
+
+def test_what_fn_computes_reads_alike_in_a_terminal(tmp_path):
+    """JAX prints a jaxpr in colour where its process started on a terminal (or in
+    Jupyter); a dask worker's does not, and the digest of what ``fn`` computes must be
+    the same in both, or every site from a terminal would be refused on the workers."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "digest.py"
+    out = tmp_path / "digest.txt"
+    script.write_text(
+        "import sys, jax, jax.numpy as jnp\n"
+        "from parallel_backend.analysis import computes\n"
+        "assert sys.stdout.isatty()\n"
+        "c = jax.make_jaxpr(lambda x, m: -(x - m) ** 2 + jnp.log(x))(jnp.ones(3), 0.5)\n"
+        f"open({str(out)!r}, 'w').write(computes(c))\n")
+    primary, secondary = os.openpty()
+    try:
+        done = subprocess.run([sys.executable, str(script)], stdout=secondary,
+                              stderr=subprocess.PIPE, timeout=120, check=False)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    from parallel_backend.analysis import computes
+
+    here = computes(jax.make_jaxpr(lambda x, m: -(x - m) ** 2 + jnp.log(x))(jnp.ones(3), 0.5))
+    assert out.read_text() == here
