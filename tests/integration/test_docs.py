@@ -58,7 +58,7 @@ def test_html_build_has_no_warnings(built):
     pages = {p for p in os.listdir(tmp / "html") if p.endswith(".html")}
     assert {"index.html", "getting_started.html", "how_it_works.html", "executors.html",
             "numpyro.html", "compatibility.html", "checkpoints.html", "performance.html",
-            "cluster.html", "api.html", "troubleshooting.html", "design.html"} <= pages
+            "cluster.html", "api.html", "troubleshooting.html"} <= pages
 
 
 def test_doctests_in_the_pages_pass(built):
@@ -96,7 +96,7 @@ def words(text) -> str:
     return " ".join(re.findall(r"[A-Za-z0-9]+", text))
 
 
-@pytest.mark.parametrize("name", ["performance", "compatibility", "design"])
+@pytest.mark.parametrize("name", ["performance", "compatibility", "cluster"])
 def test_markdown_pages_render_in_full(built, name):
     """Every heading and the first words of every paragraph of a Markdown page reach its
     HTML page (MyST renders the page, not only its tables)."""
