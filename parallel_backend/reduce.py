@@ -159,9 +159,9 @@ def reduce_rows(fn, data, *shared, executor=None, grainsize=None, block_rows=Non
     --------
     >>> import jax, jax.numpy as jnp
     >>> x = jnp.linspace(-1.0, 1.0, 5)
-    >>> rows = reduce_rows(lambda x, m: -0.5 * (x - m) ** 2, x, 0.5)
+    >>> rows = reduce_rows(lambda x, m: -0.5 * (x - m) ** 2, x, 0.25)
     >>> rows.tolist()
-    [-1.125, -0.5, -0.125, 0.0, -0.125]
+    [-0.78125, -0.28125, -0.03125, -0.03125, -0.28125]
     >>> float(jax.grad(lambda m: reduce_rows(lambda x, m: -0.5 * (x - m) ** 2, x, m).sum())(0.5))
     -2.5
     """

@@ -86,11 +86,11 @@ def _no_leaked_global_state():
 def row_loops():
     """Reductions within rows loop their blocks on any machine for the tests of one
     module: the rule loops them only where XLA has few threads
-    (``forms.ROW_REDUCE_LOOP_THREADS``), and these tests are of the looped form."""
-    from parallel_backend import forms
+    (``analysis.ROW_REDUCE_LOOP_THREADS``), and these tests are of the looped form."""
+    from parallel_backend import analysis
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(forms, "ROW_REDUCE_LOOP_THREADS", 1 << 20)
+        mp.setattr(analysis, "ROW_REDUCE_LOOP_THREADS", 1 << 20)
         yield
 
 
