@@ -61,6 +61,7 @@ def run(request):
     return device_run(4, "host", "", "random_effects,hmm")
 
 
+@pytest.mark.slow
 def test_runs_on_the_forced_devices(run):
     assert run["devices"] in (2, 4)
     for mode in ("auto", "host", "graph"):

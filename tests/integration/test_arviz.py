@@ -82,6 +82,7 @@ def direct_loglik(idata, args):
     return np.asarray(out).reshape(CHAINS, DRAWS, N)
 
 
+@pytest.mark.slow
 def test_the_container_follows_the_installed_arviz(run):
     idata, _, _ = run
     assert isinstance(idata, xr.DataTree) if DATATREE else isinstance(idata, az.InferenceData)
@@ -300,6 +301,7 @@ def bad_dims_run(**kwargs):
                      arviz_kwargs={"dims": {"mu": ["a", "b"]}}, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_conversion_that_fails_after_sampling_loses_no_draw(tmp_path):
     """Without a checkpoint: the error names a file that holds every draw, ``load`` reads
     it, and a second pb.sample with that file as checkpoint converts without sampling;

@@ -71,6 +71,7 @@ def uninterrupted():
     return out
 
 
+@pytest.mark.slow
 def test_the_loop_is_numpyros_mcmc_bit_for_bit(uninterrupted, assert_identical):
     """pb.sample drives the kernel itself: the warmup adaptation (scheduled by the
     iteration counter in the state) and every draw of vectorized chains are MCMC.run's."""
@@ -143,6 +144,7 @@ def killed_in_warmup(tmp_path_factory):
     return path, first
 
 
+@pytest.mark.slow
 def test_killed_in_warmup_and_in_sampling_then_finished_elsewhere_is_bitwise(
         tmp_path, killed_in_warmup, uninterrupted, assert_identical):
     """Vectorized chains: killed mid-warmup on 2 threads, resumed and killed mid-sampling
@@ -286,6 +288,7 @@ def test_checkpoint_argument_errors():
 # -- a dask scheduler that dies mid-run ----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.dask
 @pytest.mark.timeout(300)
 def test_scheduler_killed_mid_run_fails_fast_then_the_run_continues_on_a_new_cluster(

@@ -257,6 +257,7 @@ KERNELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", DASK, indirect=True)
 def test_nuts_float64_draws_equal_plain(executor, x64):
     X, y = make_data()
@@ -284,6 +285,7 @@ def test_nuts_factor_float64_draws_equal_plain(executor, x64):
     assert_same_draws(run_mcmc(NUTS, factored, X, y, executor=executor), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "NUTS"])
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_mcmc_kernel_draws_equal_plain(kernel, executor, x64):
@@ -293,6 +295,7 @@ def test_mcmc_kernel_draws_equal_plain(kernel, executor, x64):
     assert_same_draws(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", THREAD_DASK, indirect=True)
 def test_hmcecs_subsample_draws_equal_plain(executor, x64):
     X, y = make_data()
@@ -303,6 +306,7 @@ def test_hmcecs_subsample_draws_equal_plain(executor, x64):
     assert_same_draws(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_hmcecs_taylor_proxy_draws_equal_plain(executor, x64):
     """With ``proxy=HMCECS.taylor_proxy(...)``, which reads the site's log-density row by
@@ -315,6 +319,7 @@ def test_hmcecs_taylor_proxy_draws_equal_plain(executor, x64):
     assert_same_draws(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["DiscreteHMCGibbs", "MixedHMC"])
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_discrete_latent_draws_equal_plain(kernel, executor, x64):
@@ -328,6 +333,7 @@ def test_discrete_latent_draws_equal_plain(kernel, executor, x64):
     assert_same_draws(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["AIES", "ESS"])
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_ensemble_draws_equal_plain(kernel, executor, x64):
@@ -339,6 +345,7 @@ def test_ensemble_draws_equal_plain(kernel, executor, x64):
     assert_same_draws(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chain_method", ["sequential", "vectorized", "parallel"])
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_chain_methods_draws_equal_plain(chain_method, executor, x64):
@@ -409,6 +416,7 @@ def assert_same_fit(got, want):
     assert_close_tree(got.params, want.params, rtol=1e-8 if f64 else 1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("guide", "precision", "executor"), [
     pytest.param(guide, precision, *ex.values, marks=ex.marks, id=f"{guide}-{precision}-{ex.id}")
     for guide, precision, executors in [
@@ -430,6 +438,7 @@ def test_svi_factor_fit_equals_plain(executor, x64):
     assert_same_fit(got, want)
 
 
+@pytest.mark.slow
 def test_svi_laplace_approximation_equals_plain(executor, x64):
     """``AutoLaplaceApproximation.get_posterior`` takes ``jax.hessian`` of the
     log-density: forward-mode through the site."""
@@ -448,6 +457,7 @@ def test_svi_laplace_approximation_equals_plain(executor, x64):
                       {k: np.asarray(v) for k, v in draws_want.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", THREAD_DASK, indirect=True)
 def test_svi_minibatch_fit_equals_plain(executor, x64):
     X, y = make_data()
@@ -466,6 +476,7 @@ def posterior_draws(n=8):
             "s": TRUE["s"] * lin}
 
 
+@pytest.mark.slow
 def test_predictive_draws_equal_plain(executor, precision):
     X, _ = make_data()
     key = jax.random.PRNGKey(3)
@@ -478,6 +489,7 @@ def test_predictive_draws_equal_plain(executor, precision):
         assert np.array_equal(prior_got[k], prior_want[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["observe", "factor"])
 @pytest.mark.parametrize("executor", DASK, indirect=True)
 def test_pb_log_likelihood_equals_numpyros(model, executor, precision):
@@ -489,6 +501,7 @@ def test_pb_log_likelihood_equals_numpyros(model, executor, precision):
     np.testing.assert_allclose(got["y"], want, rtol=rtol_of_precision(), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_numpyro_log_likelihood_is_pointwise(executor, precision):
     """``numpyro.infer.log_likelihood`` (what ArviZ's ``from_numpyro`` calls) gives the plain
     model's values per row, shape (draws, rows), for a ``pb.observe`` site; a ``pb.factor``
@@ -524,6 +537,7 @@ def test_log_density_still_sums_after_log_likelihood(executor, precision):
     np.testing.assert_allclose(got, want, rtol=rtol_of_precision())
 
 
+@pytest.mark.slow
 def test_arviz_from_numpyro_of_a_pb_observe_model(executor):
     """ArviZ's own ``from_numpyro`` reads the log-likelihood through
     ``numpyro.infer.log_likelihood``: for a ``pb.observe`` site it gets the plain model's
@@ -557,6 +571,7 @@ def test_initialize_model_equals_plain(executor, precision):
     assert_close_tree(got.param_info.z_grad, want.param_info.z_grad, rtol=rtol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["observe", "observe-in-plate", "factor"])
 def test_log_density_equals_plain(model, executor, precision):
     X, y = make_data()
@@ -568,6 +583,7 @@ def test_log_density_equals_plain(model, executor, precision):
         assert_close_tree(got, want, rtol=rtol_of_precision())
 
 
+@pytest.mark.slow
 def test_forward_mode_derivatives_equal_plain(executor, x64):
     """``jax.jvp``, ``jax.hessian`` and grad of grad of the log-density (what
     ``AutoLaplaceApproximation`` and ``HMCECS``'s Taylor proxy take)."""
@@ -605,6 +621,7 @@ HANDLERS = {
     (model, case) for model in ("observe", "observe-in-plate", "factor") for case in HANDLERS
     # a pb.factor site has no rows to mask (a factor, as numpyro.factor's)
     if not (model == "factor" and case == "mask per row")])
+@pytest.mark.slow
 def test_handler_log_density_equals_plain(case, model, executor, precision):
     X, y = make_data()
     how = HANDLERS[case]
@@ -662,6 +679,7 @@ def test_block_hides_the_site(executor):
     assert "y" not in tr and {"a", "b", "s"} <= set(tr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_reparam_loc_scale_nuts_draws_equal_plain(executor, x64):
     X, y = make_data()

@@ -88,6 +88,7 @@ def slow_link():
                 p.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_slow_link_gets_fewer_blocks_bits_unchanged(slow_link, x64):
     client, fast_proc, fast, slow = slow_link
     y = np.random.default_rng(0).normal(size=(N, STEPS))

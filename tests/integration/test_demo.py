@@ -118,6 +118,7 @@ def check_report(out, lines, workers=2):
         assert abs(a.mean - b.mean) <= 4 * error, (a, b)
 
 
+@pytest.mark.slow
 def test_run_demo_hmm_converges_and_agrees_with_plain():
     """A proper small run: both fits start from the Laplace approximation (one MAP search
     through parallel_backend), two chains each, and both converge to the truth."""
@@ -130,6 +131,7 @@ def test_run_demo_hmm_converges_and_agrees_with_plain():
     assert np.all(np.diff(out["means_parallel"]["mu"]) > 0)  # ordered states
 
 
+@pytest.mark.slow
 def test_run_demo_negbin_converges_and_agrees_with_plain():
     lines = []
     out = run_demo(model="negbin", rows=3000, num_warmup=100, num_samples=100, num_chains=2,
@@ -147,6 +149,7 @@ def test_run_demo_hmm_converges_with_heuristic_start_and_long_warmup():
     check_report(out, lines)
 
 
+@pytest.mark.slow
 def test_cli_demo_says_not_converged_for_a_too_short_run():
     """Two warmup iterations from the heuristic start: the command says so, for both fits,
     still prints the speedup, ESS and the rule, and exits with status 2."""

@@ -51,6 +51,7 @@ def built(tmp_path_factory):
     return tmp, html, doctest
 
 
+@pytest.mark.slow
 def test_html_build_has_no_warnings(built):
     tmp, html, _ = built
     assert html.returncode == 0, html.stdout + html.stderr

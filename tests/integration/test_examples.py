@@ -26,23 +26,27 @@ def run_example(name, *args, timeout=300):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_logistic_regression():
     out = run_example("logistic_regression.py", "--rows", "3000", "--workers", "2", *SMALL)
     assert "speedup over plain NumPyro:" in out and "thread executor (2 workers" in out
     assert "alpha" in out and "r_hat" in out
 
 
+@pytest.mark.slow
 def test_hmm():
     out = run_example("hmm.py", "--sequences", "200", "--length", "8", "--workers", "2", *SMALL)
     assert "means[0]" in out and "sigma" in out
 
 
+@pytest.mark.slow
 def test_hierarchical():
     out = run_example("hierarchical.py", "--rows", "2000", "--groups", "8", "--workers", "2",
                       *SMALL)
     assert "tau" in out and "elpd_loo" in out
 
 
+@pytest.mark.slow
 def test_svi():
     out = run_example("svi.py", "--rows", "4000", "--steps", "100", "--workers", "2")
     assert "speedup over plain NumPyro:" in out and "beta (guide means):" in out
@@ -50,6 +54,7 @@ def test_svi():
     assert gap < 1e-4  # float32: the same losses to round-off
 
 
+@pytest.mark.slow
 @pytest.mark.dask
 def test_dask_cluster():
     pytest.importorskip("distributed")

@@ -49,6 +49,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_second_fit_in_the_same_process_finishes():
     # A hang raises subprocess.TimeoutExpired (the child is killed): it never waits.
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True,
@@ -96,6 +97,7 @@ QUEUED = textwrap.dedent("""
     ('pb.DaskExecutor(client=distributed.Client(processes=False, n_workers=1, '
      'threads_per_worker=2, dashboard_address=None), dispatch="host")')],
     ids=["thread", "serial", "dask-in-process"])
+@pytest.mark.slow
 def test_operations_queued_on_a_pending_result_end_in_an_error_not_a_hang(executor):
     """The caller's program waits for its parameters; 40 operations queued on its result
     take every place XLA's CPU device keeps for programs in flight, so the chunk programs

@@ -148,6 +148,7 @@ def test_log_likelihood_equals_numpyros(executor, x64):
     np.testing.assert_array_equal(by_chain.reshape(6, N), got["y"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
 def test_svi_losses_equal_plain(executor, x64, elbo):
     X, y = data()
@@ -257,6 +258,7 @@ def test_errors_name_the_site_the_argument_and_the_shapes():
 # -- pb.sample ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sample_with_posterior_predictive(tmp_path):
     az = pytest.importorskip("arviz")
     X, y = data(jnp.float32, n=400)
@@ -318,6 +320,7 @@ PREDICTIVE_RUN = {"num_warmup": 30, "num_samples": 30, "num_chains": 1, "seed": 
                   "progress_bar": False, "posterior_predictive": True}
 
 
+@pytest.mark.slow
 def test_a_resumed_run_gets_the_same_posterior_predictive(tmp_path):
     """Killed (SIGKILL) mid-run, resumed on threads: the posterior predictive draws of
     the uninterrupted run, bit for bit."""

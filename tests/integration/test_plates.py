@@ -210,6 +210,7 @@ COMBOS = ([("serial", "float64", c) for c in CASES]
                                                  "factor plate")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("executor", "precision", "case"), COMBOS,
                          indirect=["executor", "precision"])
 def test_log_density_and_gradient_equal_plain(executor, precision, case):
@@ -255,6 +256,7 @@ def svi_fit(site):
 plain_svi_fit = functools.cache(lambda: svi_fit(Plain()))
 
 
+@pytest.mark.slow
 def test_minibatch_svi_ends_where_plain_does(executor):
     want, got = plain_svi_fit(), svi_fit(Parallel(executor))
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-3)
@@ -264,6 +266,7 @@ def test_minibatch_svi_ends_where_plain_does(executor):
     assert abs(float(got.losses[-50:].mean()) - float(want.losses[-50:].mean())) < 1.0
 
 
+@pytest.mark.slow
 def test_hmcecs_posterior_equals_plain(x64):
     """In float64 the chains follow plain's draw for draw (in float32 they part after a
     while, and HMCECS's sticky subsample chains then differ by more than their sds)."""

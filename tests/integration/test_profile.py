@@ -139,6 +139,7 @@ def test_recommendation_needs_the_margin_in_the_fastest_round_too():
     assert best is None and text.startswith("stay with plain NumPyro"), text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", [None, "serial"])
 def test_short_nuts_run_times_gradients_inside_the_sampler(executor):
     ex = pb.SerialExecutor(count_calls=True) if executor else None
@@ -169,6 +170,7 @@ def test_recommendation_must_hold_inside_nuts(ms_on_executor, kept):
                                "isolated gradient evaluation but 1.05x inside NUTS")
 
 
+@pytest.mark.slow
 def test_vectorized_chains_are_profiled_as_one_batched_evaluation():
     """chains=k: every variant evaluates k parameter sets at once (per set, what one chain
     evaluates), the executors bit for bit alike; the short NUTS run takes k chains."""

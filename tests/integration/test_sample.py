@@ -46,6 +46,7 @@ def run(data, executor, kernel=model, **kw):
     return pb.sample(kernel, data, executor=executor, **kw)
 
 
+@pytest.mark.slow
 def test_same_seed_same_draws_on_every_executor(data, assert_identical):
     with pb.SerialExecutor() as serial, pb.ThreadExecutor(2, dispatch="host") as threads:
         a = run(data, serial, seed=3)
@@ -58,6 +59,7 @@ def test_same_seed_same_draws_on_every_executor(data, assert_identical):
     assert c.attrs["executor"] == "thread" and c.attrs["workers"] == 2
 
 
+@pytest.mark.slow
 def test_looped_site_same_draws_on_every_executor_with_vectorized_chains(assert_identical):
     """A looped site (the demo's HMM, a ``scan``) under 2 vectorized chains evaluates one
     chain at a time on every path: the graph, the threads, and ``ThreadExecutor()``'s
@@ -77,6 +79,7 @@ def test_looped_site_same_draws_on_every_executor_with_vectorized_chains(assert_
                          {k: runs[0].posterior[k].values for k in ("mu", "sigma", "trans")})
 
 
+@pytest.mark.slow
 def test_vectorized_and_sequential_chains_agree(data):
     """4 vectorized chains and 4 sequential chains: the same posterior within Monte
     Carlo error (means within 5 MCSE, sds within 30%)."""
@@ -180,6 +183,7 @@ def run_on_terminal(cmd, timeout=240) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_bar_quiet_on_a_pipe_and_shown_on_a_terminal():
     piped = subprocess.run(script(True), capture_output=True, check=False, text=True, timeout=240)
     assert piped.returncode == 0, piped.stderr

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 from numpyro.infer import MCMC, NUTS, Predictive
 
 import parallel_backend as pb
@@ -31,6 +32,7 @@ def resident(executor) -> list:
     return [s for s in executor.sites() if not any(s.spec.traced)]
 
 
+@pytest.mark.slow
 def test_a_model_that_builds_its_data_keeps_one_site_prepared_once():
     y = np.random.default_rng(0).normal(1.0, 2.0, size=5000)
     with pb.ThreadExecutor(2) as ex, pb.use_executor(ex):

@@ -133,6 +133,7 @@ def executor(request):
 # -- between two fits -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_data_changed_in_place_between_fits(executor, assert_close):
     x = rows(0)
     first = fresh(loglik, executor, x)(0.3)
@@ -316,6 +317,7 @@ def test_factor_model_traced_again_after_a_change(executor, assert_close):
     assert_close(density(factor_model, x, executor)(0.3), density(plain_model, x)(0.3), RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["serial", "thread2-host"], indirect=True)
 def test_mcmc_runs_see_the_changed_data(executor):
     """Two short NUTS runs with the data changed in place between them: the second
@@ -456,6 +458,7 @@ def test_a_forgotten_site_is_dropped_by_the_executor(executor):
     assert first.placed == {} and first.host is None and first.counter is None
 
 
+@pytest.mark.slow
 def test_device_executor_on_two_forced_devices():
     """The ``DeviceExecutor`` checks of this file on 2 forced host CPU devices, each
     holding its own share of the rows (the count is fixed when JAX starts: a

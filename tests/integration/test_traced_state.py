@@ -128,6 +128,7 @@ def executor(request):
         yield ex
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_what_fn_reads_changed_between_fits(case, executor, assert_close, assert_identical):
     fn, set_value = CASES[case]

@@ -55,6 +55,7 @@ def candidates(tuner):
     return [s for s in tuner.segments.slots.sites if s.slot is not None]
 
 
+@pytest.mark.slow
 def test_sample_records_the_route_it_measured_for_each_site(tuners):
     with pb.ThreadExecutor(2) as ex:
         sample(ex)
@@ -82,6 +83,7 @@ def test_sample_records_the_route_it_measured_for_each_site(tuners):
     assert stats["host_calls"] > 0 and stats["graph_calls"] > 0, stats
 
 
+@pytest.mark.slow
 def test_the_route_chosen_is_recorded_and_runs(tuners, monkeypatch):
     """Force the choice to the route the default rule would not take: the site records
     it, ``stats()`` reports it, and the segments after the choice run there."""

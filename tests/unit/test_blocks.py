@@ -209,6 +209,7 @@ def test_a_reduction_within_rows_caps_or_loops_the_blocks(k, rows):
     assert elementwise["block_rows"] > rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_few_elements_reduced_within_rows_loop_the_blocks(k, monkeypatch):
     """A ``logsumexp`` over two or three components per row runs one block at a time, in

@@ -50,6 +50,7 @@ def test_jvp_matches_unsplit_sum(x64, executor, make_problem, assert_close, name
     assert_close(got, want, rtol=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROBLEMS)
 def test_hessian_matches_unsplit_sum(x64, executor, make_problem, assert_close, name):
     problem = make_problem(name, n=150)
@@ -65,6 +66,7 @@ def test_hessian_matches_unsplit_sum(x64, executor, make_problem, assert_close, 
     assert_close(rev, want11, rtol=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROBLEMS)
 def test_grad_of_grad_matches_unsplit_sum(x64, executor, make_problem, assert_close, name):
     problem = make_problem(name, n=1000)
@@ -130,6 +132,7 @@ def test_second_derivatives_run_per_block(x64, make_problem):
     assert 1000 not in sizes and set(sizes) <= {BLOCK_ROWS, 1000 - 3 * BLOCK_ROWS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["random_effects", "hmm"])
 def test_cross_and_third_derivatives_match_unsplit_sum(x64, executor, make_problem,
                                                        assert_close, name):
@@ -156,6 +159,7 @@ def test_cross_and_third_derivatives_match_unsplit_sum(x64, executor, make_probl
     assert_close(got, want, rtol=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["random_effects", "hmm"])
 def test_hessian_vector_products_are_bitwise_reproducible(x64, make_problem, assert_identical,
                                                           fresh_executor, name):
@@ -246,6 +250,7 @@ def test_device_executor_forward_mode(x64, make_problem, assert_close, assert_id
     assert_identical(jvp, jax.jit(lambda a, t: jax.jvp(serial, a, t))(problem.args, t))
 
 
+@pytest.mark.slow
 @pytest.mark.dask
 def test_dask_executor_forward_mode(x64, make_problem, assert_close, assert_identical):
     """A real dask cluster (two worker processes): jvp bitwise the serial one, hessian
@@ -271,6 +276,7 @@ def test_dask_executor_forward_mode(x64, make_problem, assert_close, assert_iden
     assert_identical(hess, here)
 
 
+@pytest.mark.slow
 def test_laplace_approximation_matches_plain_model(x64):
     """``AutoLaplaceApproximation`` (a Hessian of the model's log-density) through a
     ``pb.factor`` site: the plain model's mean and covariance."""

@@ -451,6 +451,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, block_rows", [(20000, 2000), (2000, 300)],
                          ids=["whole-blocks", "padded-tail"])
 def test_lapack_likelihood_on_every_thread_does_not_hang(n, block_rows):

@@ -95,3 +95,31 @@ def test_routes_and_chunkings_give_the_bits_of_the_graph(name, assert_identical,
                 assert_identical(run(ex, grainsize=grainsize), want)
     plain = jax.jit(jax.value_and_grad(lambda *p: fn(data, *p).sum(), argnums=argnums))(*params)
     assert_close(want, jax.tree.map(np.asarray, plain), 1e-4)
+
+
+def test_the_graph_shows_positions_and_hides_values():
+    """On the in-graph route the integer group numbers (positions) bypass the barrier that
+    hides the data (guard ``hide``), and the float data go through it: XLA sees the first,
+    not the second."""
+    from parallel_backend.internals import jaxprs_in_params
+
+    fn, data, params = _problem("grouped", 4_000)
+    with pb.SerialExecutor() as graph:
+        closed = jax.make_jaxpr(lambda *p: pb.reduce_sum(fn, data, *p, executor=graph,
+                                                         block_rows=1_000))(*params)
+
+    hidden = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "optimization_barrier":
+                hidden.extend(v.aval for v in eqn.invars)
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    kinds = {str(np.asarray(x).dtype) for x in jax.tree.leaves(data)}
+    assert "int32" in kinds and any(k.startswith("float") for k in kinds), kinds
+    # blocks of rows (ndim 2): the groups never hidden, the values always
+    rows = [a for a in hidden if a.ndim >= 2]
+    assert rows and all(np.issubdtype(a.dtype, np.floating) for a in rows), hidden
