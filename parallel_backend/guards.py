@@ -10,10 +10,11 @@ Two promises rest on how XLA compiles and runs programs, not only on what they c
   need room on XLA's CPU runtime while the caller's program waits for them.
 
 Today's XLA (jaxlib 0.10 and 0.12) breaks each in a few known ways. Each guard below
-answers one of them; :data:`GUARDS` names it and says which. ``tests/unit/test_guards.py``
-holds, per guard, a case that fails, naming the guard, when the guard is removed (or when
-XLA no longer does what it answers: then the guard can go). :func:`disabled` turns guards
-off for those tests; nothing else may use it.
+answers one of them; :data:`GUARDS` names it, says which and on which versions it was
+seen. ``tests/unit/test_guards.py`` holds, per guard, the promise with the guard on and
+what XLA does without it, per JAX version: a test fails, naming the guard, when the guard
+is removed, and when XLA stops (or starts) doing what it answers. :func:`disabled` turns
+guards off for those tests; nothing else may use it.
 
 Imports jax, numpy, :mod:`.blocks` (the pool's size), :mod:`.errors` and :mod:`.internals`.
 """
@@ -50,34 +51,42 @@ __all__ = [
 #: Each guard and the behaviour of XLA it answers.
 GUARDS = {
     "pin": "XLA:CPU compiles a small while loop that reads little memory and holds no "
-           "matrix product as one kernel (SmallWhileLoopHoistingPass); a block evaluated "
-           "in such a loop of the caller's (NUTS on small data, a scan over parameter "
-           "sets) then rounds unlike the same block in a host chunk program",
+           "matrix product as one kernel (SmallWhileLoopHoistingPass, a call marked "
+           "xla_cpu_small_call; jax 0.10 and 0.12); a block evaluated in such a loop of the "
+           "caller's (NUTS on small data, a scan over parameter sets) then rounds unlike the "
+           "same block in a host chunk program (jax 0.12; on 0.10 the kernel rounds alike). "
+           "The fence's predicate holds the same product: with the fence in place, removing "
+           "the pin alone changed no bit",
     "fence": "XLA fuses the caller's arithmetic on a result (a leapfrog step p + eps * g) "
              "into the in-graph evaluation that made it, but not into a host callback's "
-             "result, and rounds the two differently (an FMA or not); an optimization "
-             "barrier does not hold: XLA removes it before it fuses",
+             "result, and rounds the two differently (an FMA or not; jax 0.10 and 0.12); an "
+             "optimization barrier does not hold: XLA removes it before it fuses",
     "hide": "XLA folds data it can see (constants of the caller's program) into the "
-            "block's code and may evaluate functions of it at compile time with other "
-            "code than a host chunk program, which receives the data at run time",
-    "hide_bounds": "XLA specializes a loop over blocks whose bounds are constants "
-                   "(unrolls or peels it) unlike the host chunk program, whose bounds "
-                   "are arguments",
+            "block's code and evaluates the arithmetic on it alone at compile time (constant "
+            "folding), rounded otherwise than a host chunk program computes it from the data "
+            "it receives at run time (y * 0.7 + 0.3, recomputed in every block: jax 0.10 and "
+            "0.12)",
+    "hide_bounds": "XLA specializes a loop over blocks whose bounds are constants (it "
+                   "knows the trip count, and removes a loop of one block; jax 0.10 and "
+                   "0.12) unlike the host chunk program, whose bounds are arguments; no bit "
+                   "was seen to change by it",
     "after": "two batched LAPACK kernels (Cholesky, triangular solve) running at once in "
              "one program each hand work to XLA's CPU pool and block their pool thread "
-             "until it is done: on a pool of two threads they wait for each other forever",
+             "until it is done: on a pool of two threads they wait for each other forever "
+             "(jax 0.10; not seen on 0.12)",
     "pool_gate": "the same LAPACK kernels in chunk programs on several threads: as many "
                  "of them at once as XLA's CPU pool has threads wait for each other "
-                 "forever",
+                 "forever (jax 0.10; not seen on 0.12)",
     "stall_probe": "a host callback's chunk programs wait for a place among those XLA "
                    "keeps for programs in flight; where the caller queued operations on "
                    "the callback's result before it was ready, those places never free "
-                   "and the callback would wait forever",
+                   "and the callback would wait forever (jax 0.10 and 0.12)",
     "one_program": "op by op (outside jit), each operation compiles as a program of its "
-                   "own: the partials' additions and the fence round unlike the same "
+                   "own: the partials' additions and the fence could round unlike the same "
                    "operations inside one compiled program, and on the host route the "
-                   "operations queued after a callback take every place XLA keeps for "
-                   "programs in flight, so the callback's chunk programs never start",
+                   "operations queued after a callback could take every place XLA keeps for "
+                   "programs in flight, so that the callback's chunk programs never start; "
+                   "neither shows with the guard removed on jax 0.10 or 0.12",
 }
 
 _disabled: set = set()
@@ -92,7 +101,8 @@ def enabled(name: str) -> bool:
 def disabled(*names: str):
     """A block in which the guards ``names`` are off, process-wide: programs traced (and
     chunk programs compiled) inside it are built without them. For the tests that show
-    what each guard answers; never for users.
+    what each guard answers; never for users. A guard applied when a module is imported
+    (``one_program`` on the eager graph route's last program) stays on.
 
     Examples
     --------

@@ -1,0 +1,553 @@
+"""Every guard of :mod:`parallel_backend.guards` (STYLE 17): per guard, the promise it keeps
+with the guard on, and what today's XLA does with the guard removed, on the stacks where it
+does it. A message names the guard either way: ``guard 'x': ...`` where the promise broke
+with the guard on, ``guard 'x' no longer needed on jax ...`` where XLA stopped doing what the
+guard answers, ``guard 'x' now needed on jax ...`` where it started.
+
+What removing each guard did here (2 cores; jax 0.10.2 on Python 3.11, jax 0.12.0.1 on 3.12):
+
+* ``fence``: a descent's points part between the graph and the host route (both stacks);
+* ``hide``: data-only arithmetic folded at compile time rounds otherwise (both stacks);
+* ``after``, ``pool_gate``: LAPACK kernels wait for each other forever (jax 0.10 only);
+* ``stall_probe``: the queued-operations case hangs instead of raising (both stacks);
+* ``pin``: a small loop of the caller's rounds apart on jax 0.12, where the fence (whose
+  predicate holds the same product) is removed too; alone, no bit was seen to change;
+* ``hide_bounds``: XLA does what it answers (a loop over blocks with a known trip count),
+  but no bit was seen to change; the test holds the promise and that behaviour;
+* ``one_program``: nothing seen to change; the test holds the promise.
+
+Removed guards are removed with :func:`.guards.disabled`: programs traced (and chunk
+programs compiled) inside it lack them, so every case builds its executors inside the
+block. Deadlocks run in a subprocess with XLA's pool fixed at two threads (``NPROC=2``)
+and a watchdog, so that a hang is a clean failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import parallel_backend as pb
+from helpers import regression_data
+from parallel_backend import guards
+from parallel_backend.guards import fence
+from parallel_backend.tasks import Partials
+
+ROOT = Path(__file__).resolve().parents[2]
+JAX = jax.__version__
+_MINOR = tuple(int(v) for v in JAX.split(".")[:2])
+#: Where XLA:CPU's kernel of a small loop rounds a block unlike the host route (seen on
+#: jax 0.12, not 0.10).
+SMALL_LOOP_ROUNDS_APART = _MINOR >= (0, 12)
+#: Where two batched LAPACK kernels at once wait for each other forever on a pool of two
+#: threads (seen on jax 0.10 in every case tried; never on 0.12).
+LAPACK_BLOCKS_POOL = _MINOR < (0, 12)
+
+
+def differing(got, want) -> int:
+    """Entries whose bits differ (NaN equal to NaN)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    return int(np.sum(~((got == want) | (np.isnan(got) & np.isnan(want)))))
+
+
+def on_both_routes(run, *removed):
+    """``(host, graph)``: ``run(executor)`` on the host route (two threads) and in the
+    graph, with the guards ``removed``."""
+    with guards.disabled(*removed):
+        with pb.SerialExecutor() as graph:
+            want = np.asarray(run(graph))
+        with pb.ThreadExecutor(2, dispatch="host") as host:
+            got = np.asarray(run(host))
+    return got, want
+
+
+def flat(tree):
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+# -- likelihoods ------------------------------------------------------------------------
+
+
+def normal(rows, a, b, s):  # no ``where`` anywhere: nothing else keeps the loop apart
+    return -0.5 * ((rows["y"] - a - b * rows["x"]) / s) ** 2 - jnp.log(jnp.sqrt(2 * jnp.pi) * s)
+
+
+def running(rows, a, b, s):  # a scan per row: the looped form, its own loop over blocks
+    def step(c, x):
+        c = 0.5 * c + a + b * x
+        return c, -0.5 * ((x - c) / s) ** 2
+    xs = jnp.stack([rows["x"], rows["y"]], axis=1).T
+    return jax.lax.scan(step, jnp.zeros_like(rows["x"]), xs)[1].sum(0) - 2 * jnp.log(s)
+
+
+def filtered(rows, a, b, s):  # a local-level filter per row: 12 steps of a scan
+    ys = jnp.stack([rows["y"] + k * 0.1 * rows["x"] for k in range(12)])
+    q, r = jnp.exp(a) * 0.1 + 0.01, s * s
+
+    def step(c, yt):
+        m, p, ll = c
+        p = p + q
+        e, v = yt - m - b, p + r
+        return (m + p / v * e, (1 - p / v) * p, ll - 0.5 * (jnp.log(v) + e * e / v)), None
+
+    n = rows["y"].shape[0]
+    return jax.lax.scan(step, (jnp.zeros(n), jnp.ones(n), jnp.zeros(n)), ys)[0][2]
+
+
+def gradient(fn, data, executor, block_rows=None):
+    return jax.grad(lambda p: pb.reduce_sum(fn, data, p[0], p[1], p[2], executor=executor,
+                                            block_rows=block_rows))
+
+
+# -- pin ----------------------------------------------------------------------------------
+
+
+def test_pin_changes_no_bit():
+    x = jnp.asarray([1.5, -0.0, np.inf, np.nan, -3.25], jnp.float32)
+    got = jax.vmap(lambda v: Partials(v, (v * 2,), (v,)).pinned())(x)
+    for a, b in zip(jax.tree.leaves(got), [x, x * 2, x]):
+        assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)), \
+            "guard 'pin' changed a bit of the partials it passes"
+
+
+#: 64 parameter sets, one per step of the small loops.
+SETS = jnp.asarray(np.abs(np.random.default_rng(0).normal(size=(64, 3))) + 0.1, jnp.float32)
+
+
+def small_loop(loop, grad):
+    """``f(sets)``: ``grad`` in a small loop of the caller's, 64 steps."""
+    if loop == "scan":
+        return lambda ps: jax.lax.scan(lambda c, p: (c, grad(p)), 0.0, ps)[1]
+    if loop == "map":
+        return lambda ps: jax.lax.map(grad, ps)
+    # a descent: each step from the last one's gradient
+    return lambda ps: jax.lax.fori_loop(0, 64, lambda i, p: p + 1e-4 * grad(p), ps[0])
+
+
+@pytest.mark.parametrize("fn", [normal, running], ids=["batched", "looped"])
+@pytest.mark.parametrize("loop", ["scan", "map", "fori"])
+def test_pin_a_small_loop_over_the_graph_gives_the_host_bits(loop, fn):
+    """A block evaluated in the caller's program inside a small loop (NUTS on little data,
+    a ``scan`` over parameter sets) gives the host route's bits, and the loop changes
+    none: each set alone, outside any loop, gives the same."""
+    data = regression_data(400)
+
+    def run(executor):
+        return jax.jit(small_loop(loop, gradient(fn, data, executor, 64)))(SETS)
+
+    got, want = on_both_routes(run)
+    assert not differing(got, want), (
+        f"guard 'pin': a block in a {loop} of the caller's rounds unlike the host route in "
+        f"{differing(got, want)} of {want.size} entries")
+    if loop != "fori":
+        with pb.SerialExecutor() as graph:
+            one = jax.jit(gradient(fn, data, graph, 64))
+            alone = np.stack([np.asarray(one(p)) for p in SETS])
+        assert not differing(alone, want), f"guard 'pin': the {loop} changed the bits of a set"
+
+
+SMALL_CALL = 'xla_cpu_small_call="true"'
+
+
+def test_pin_keeps_a_small_loop_of_the_caller_off_xlas_small_loop_path():
+    """XLA:CPU compiles a small ``while`` loop that reads little memory as one kernel
+    (``SmallWhileLoopHoistingPass``, a call marked ``xla_cpu_small_call``; jax 0.10 and
+    0.12), and a block in such a loop of the caller's rounds unlike the host route's chunk
+    programs: a scan over 8 sets on 32 rows, 16 of 24 gradient entries on jax 0.12 (none on
+    0.10, where the kernel rounds alike). The pin's product keeps the loop off that path.
+    The fence's predicate is the same product, so the fence is off in both runs: with it
+    on, removing the pin alone changed no bit of any case tried, on either stack."""
+    data = regression_data(32)
+
+    def run(executor):
+        return jax.jit(small_loop("scan", gradient(normal, data, executor)))(SETS[:8])
+
+    def small_calls(*removed):
+        with guards.disabled("fence", *removed), pb.SerialExecutor() as graph:
+            f = jax.jit(small_loop("scan", gradient(normal, data, graph)))
+            return f.lower(SETS[:8]).compile().as_text().count(SMALL_CALL)
+
+    got, want = on_both_routes(run, "fence")
+    assert not differing(got, want), (
+        f"guard 'pin': a block in a small scan of the caller's rounds unlike the host route "
+        f"in {differing(got, want)} of {want.size} entries")
+    assert small_calls() == 0, (
+        "guard 'pin': XLA compiled the caller's scan around a block as one small-loop kernel "
+        "although every block carries the pin's product")
+    assert small_calls("pin"), (
+        f"guard 'pin' no longer needed on jax {JAX}? Without it (and the fence) XLA no "
+        "longer compiles the caller's small scan as one kernel")
+    got, want = on_both_routes(run, "fence", "pin")
+    if SMALL_LOOP_ROUNDS_APART:
+        assert differing(got, want), (
+            f"guard 'pin' no longer needed on jax {JAX}? Without it (and the fence) the "
+            "small-loop kernel rounds the block as the host route does")
+    else:
+        assert not differing(got, want), (
+            f"guard 'pin' now needed on jax {JAX}: without it (and the fence) the small-loop "
+            f"kernel rounds the block unlike the host route in {differing(got, want)} of "
+            f"{want.size} entries, as on jax 0.12")
+
+
+# -- fence --------------------------------------------------------------------------------
+
+
+def test_fence_changes_no_bit():
+    x = jnp.asarray([1.5, -0.0, np.inf, np.nan, -3.25], jnp.float32)
+    got = jax.jit(lambda t: fence(t))((x, jnp.arange(3), x[::-1]))
+    for a, b in zip(got, (x, jnp.arange(3), x[::-1])):
+        assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)), \
+            "guard 'fence' changed a bit of what it passes"
+    # Leaves without elements pass, first or not; nothing to fence passes as it is.
+    empty = (jnp.zeros((0,)), x)
+    assert jax.tree.map(np.shape, jax.jit(fence)(empty)) == ((0,), (5,))
+    assert fence(()) == ()
+    # Mapped, it passes every member as it is.
+    x = jnp.asarray([[1.5, -0.0], [np.inf, np.nan]], jnp.float32)
+    assert np.array_equal(np.asarray(jax.vmap(fence)(x)).view(np.uint32),
+                          np.asarray(x).view(np.uint32))
+
+
+def descent(fn, data, executor):
+    """16 steps ``p + 1e-4 * g`` from one point, in a ``fori_loop``: a leapfrog's arithmetic."""
+    start = jnp.asarray([0.35, 0.15, 0.9], jnp.float32)
+    grad = gradient(fn, data, executor)
+    return jax.jit(lambda p: jax.lax.fori_loop(0, 16, lambda i, p: p + 1e-4 * grad(p), p))(start)
+
+
+@pytest.mark.parametrize("fn", [running, filtered])
+@pytest.mark.parametrize("rows", [130, 400])
+def test_fence_a_step_on_the_gradient_rounds_alike_on_every_route(fn, rows):
+    """The caller's arithmetic on a gradient (a descent's ``p + 1e-4 * g``, a leapfrog
+    step) is not fused into the in-graph evaluation, so it rounds as after a host callback
+    (one block of 130 or 400 rows; two and three threads)."""
+    data = regression_data(rows)
+    with pb.SerialExecutor() as graph:
+        want = np.asarray(descent(fn, data, graph))
+    for workers in (2, 3):
+        with pb.ThreadExecutor(workers, dispatch="host") as host:
+            got = np.asarray(descent(fn, data, host))
+        assert not differing(got, want), (
+            f"guard 'fence': the descent's points part between the graph and the host route "
+            f"({workers} threads) in {differing(got, want)} of 3 entries")
+
+
+def test_fence_removed_a_step_on_the_gradient_rounds_apart():
+    """Without the fence XLA fuses the step into the in-graph evaluation's last operations
+    and rounds it otherwise (an FMA or not) than after the host callback, whose result it
+    cannot see into: every entry of the filter's point at 400 rows parts (jax 0.10 and
+    0.12; the running mean at 400 rows parts in one, the filter at 130 rows in two)."""
+    got, want = on_both_routes(lambda ex: descent(filtered, regression_data(400), ex), "fence")
+    assert differing(got, want), (
+        f"guard 'fence' no longer needed on jax {JAX}? Without it the descent's points no "
+        "longer part between the graph and the host route")
+
+
+@pytest.mark.parametrize("fn", [running, filtered])
+def test_fence_vectorized_chains_step_alike_on_every_route(fn):
+    """As above with the sets mapped (NumPyro's vectorized chains): the fence under
+    ``vmap`` stays a conditional over the batch (mapped as a ``select``, XLA fused the step
+    into the in-graph evaluation: jax 0.10 and 0.12, from the second step, when looped
+    sites were still mapped; they now run one set at a time, and a ``select`` in its place
+    changed no bit here)."""
+    data = regression_data(130)
+    starts = jnp.asarray([[0.35, 0.15, 0.9], [0.2, 0.4, 1.1], [0.5, 0.1, 0.7],
+                          [0.3, 0.3, 1.3]], jnp.float32)
+
+    def steps(executor):
+        grad = gradient(fn, data, executor)
+
+        def walk(p):
+            return jax.lax.scan(lambda p, _: (p + 1e-4 * grad(p), grad(p)), p, None,
+                                length=4)[1]
+
+        return jax.jit(jax.vmap(walk))(starts)
+
+    got, want = on_both_routes(steps)
+    assert not differing(got, want), (
+        f"guard 'fence': vectorized chains step apart on the graph and the host route in "
+        f"{differing(got, want)} of {want.size} entries")
+
+
+# -- hide ---------------------------------------------------------------------------------
+
+
+def affine(rows, a, b):  # y * 0.7 + 0.3: data-only arithmetic, too cheap to hoist
+    return -0.5 * (rows["y"] * 0.7 + 0.3 - a - b * rows["x"]) ** 2
+
+
+def test_hide_keeps_the_data_from_being_folded_at_compile_time():
+    """Data XLA can see (constants of the caller's program) it folds: ``y * 0.7 + 0.3``,
+    recomputed in every block (:mod:`.hoist` keeps no residual that cheap), is evaluated at
+    compile time, rounded otherwise than the host chunk program computes it at run time.
+    With the data hidden the two routes agree; without, one of the three entries (value
+    and two gradients) parts (300 rows, one block; jax 0.10 and 0.12)."""
+    rng = np.random.default_rng(1)
+    data = {"x": jnp.asarray(rng.normal(size=300), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=300), jnp.float32)}
+
+    def run(executor):
+        f = jax.value_and_grad(lambda a, b: pb.reduce_sum(affine, data, a, b, executor=executor),
+                               (0, 1))
+        return flat(jax.jit(f)(jnp.float32(0.2), jnp.float32(0.5)))
+
+    got, want = on_both_routes(run)
+    assert not differing(got, want), (
+        f"guard 'hide': the graph route folded the data: {differing(got, want)} of 3 entries "
+        "part from the host route")
+    got, want = on_both_routes(run, "hide")
+    assert differing(got, want), (
+        f"guard 'hide' no longer needed on jax {JAX}? With the data in view XLA no longer "
+        "rounds the folded arithmetic otherwise")
+
+
+# -- hide_bounds ----------------------------------------------------------------------------
+
+
+def test_hide_bounds_keeps_the_loop_over_blocks_unspecialised():
+    """A looped site's blocks run in a loop whose bounds are the host chunk program's
+    arguments; in the graph they would be constants, and XLA specialises such a loop: it
+    knows its trip count (7 blocks here) and removes a loop of one (jax 0.10 and 0.12). No
+    bit was seen to change by it (a sweep of looped likelihoods in plain, eager, descent,
+    scan and vmapped calls, 1 to 7 blocks); the test holds the promise and that XLA does
+    what the guard answers."""
+    data = regression_data(400)
+
+    def run(executor):
+        return flat(jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
+            running, data, p[0], p[1], p[2], executor=executor, block_rows=64)))(
+                jnp.asarray([0.35, 0.15, 0.9], jnp.float32)))
+
+    got, want = on_both_routes(run)
+    assert not differing(got, want), (
+        f"guard 'hide_bounds': a looped site's graph route parts from the host route in "
+        f"{differing(got, want)} of {want.size} entries")
+
+    def trip_counts(*removed):
+        with guards.disabled(*removed), pb.SerialExecutor() as graph:
+            f = jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
+                running, data, p[0], p[1], p[2], executor=graph, block_rows=64)))
+            text = f.lower(jnp.ones(3, jnp.float32)).compile().as_text()
+        return [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', text)]
+
+    assert 7 not in trip_counts(), (
+        "guard 'hide_bounds': XLA knows the trip count of the in-graph loop over the 7 "
+        "blocks, unlike the host chunk program's")
+    assert 7 in trip_counts("hide_bounds"), (
+        f"guard 'hide_bounds' no longer needed on jax {JAX}? With constant bounds XLA no "
+        "longer specialises the loop over blocks (no known trip count)")
+
+
+# -- one_program --------------------------------------------------------------------------
+
+
+def test_one_program_an_eager_call_gives_the_jitted_bits_on_every_route():
+    """Called eagerly (NumPyro's initialisation runs the model so), a site's value and
+    gradient are one compiled program on either route, with the bits of the same call
+    under ``jit``. Removing the guard (even with the eager call's wait) changed no bit
+    here and hung nothing (the second-fit case of ``test_no_hang``) on either stack."""
+    data = regression_data(1000)
+    p = jnp.asarray([0.35, 0.15, 0.9], jnp.float32)
+
+    def run(executor):
+        def f(p):
+            return pb.reduce_sum(normal, data, p[0], p[1], p[2], executor=executor)
+
+        eager = flat((f(p), jax.grad(f)(p)))
+        jitted = flat((jax.jit(f)(p), jax.jit(jax.grad(f))(p)))
+        assert not differing(eager, jitted), (
+            f"guard 'one_program': called eagerly on {executor!r}, {differing(eager, jitted)} "
+            "entries part from the same call under jit")
+        return eager
+
+    got, want = on_both_routes(run)
+    assert not differing(got, want), (
+        f"guard 'one_program': eager calls part between the graph and the host route in "
+        f"{differing(got, want)} of {want.size} entries")
+
+
+# -- the runtime guards: deadlocks, in a subprocess --------------------------------------------
+
+#: Seconds one evaluation may take before the script counts it as hung: where the guard
+#: is on (it should end), and where it is off (it should hang).
+WATCH_ON, WATCH_OFF = 90, 10
+
+_WATCH = f"WATCH_ON, WATCH_OFF = {WATCH_ON}, {WATCH_OFF}\n"
+
+LAPACK = _WATCH + textwrap.dedent("""
+    import faulthandler
+    import jax, jax.numpy as jnp, numpy as np
+    import parallel_backend as pb
+    from parallel_backend import guards
+
+    def group_loglik(rows, log_ls):  # a Cholesky and a triangular solve per group (row)
+        t, y = rows["t"], rows["y"]
+        d2 = (t[:, :, None] - t[:, None, :]) ** 2
+        K = jnp.exp(-0.5 * d2 * jnp.exp(-2 * log_ls)) + 0.1 * jnp.eye(t.shape[1])
+        L = jnp.linalg.cholesky(K)
+        r = jax.scipy.linalg.solve_triangular(L, y[..., None], lower=True)[..., 0]
+        return (-0.5 * jnp.sum(r * r, -1)
+                - jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), -1))
+
+    rng = np.random.default_rng(0)
+    data = {"t": np.sort(rng.uniform(0, 10, size=(20_000, 12)), axis=1).astype(np.float32),
+            "y": rng.normal(size=(20_000, 12)).astype(np.float32)}
+
+    def evaluate(f, count, watch):
+        for i in range(count):  # a call that takes ``watch`` seconds hung: exit 1, "Timeout"
+            faulthandler.dump_traceback_later(watch, exit=True)
+            jax.block_until_ready(f(np.float32(0.1 * i)))
+        faulthandler.cancel_dump_traceback_later()
+""")
+
+#: Guard ``after``, in the graph: 20,000 groups in blocks of 3,000, the padded last
+#: block of 2,000 evaluated beside the six others but for the guard.
+AFTER = LAPACK + textwrap.dedent("""
+    def graph(watch):
+        with pb.SerialExecutor() as ex:
+            f = jax.jit(lambda p: pb.reduce_sum(group_loglik, data, p, executor=ex,
+                                                block_rows=3_000))
+            evaluate(f.lower(np.float32(0)).compile(), 40, watch)
+
+    graph(WATCH_ON)
+    print("on ok", flush=True)
+    with guards.disabled("after"):
+        graph(WATCH_OFF)
+    print("off ok", flush=True)
+""")
+
+#: Guard ``pool_gate``, on the host route: 20,000 groups in 10 blocks of 2,000 (no padded
+#: block), two chunk programs at once on two threads but for the guard.
+POOL_GATE = LAPACK + textwrap.dedent("""
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        f = jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
+            group_loglik, data, p, executor=ex, block_rows=2_000)))
+        evaluate(f, 20, WATCH_ON)  # compiles the chunk programs: the same ones below
+        print("on ok", flush=True)
+        with guards.disabled("pool_gate"):  # read as each chunk program runs
+            evaluate(f, 40, WATCH_OFF)
+        print("off ok", flush=True)
+""")
+
+#: Guard ``stall_probe``: the caller's program waits for its parameters, and 40
+#: operations queued on its result take every place XLA keeps for programs in flight.
+STALL_PROBE = _WATCH + textwrap.dedent("""
+    import faulthandler
+    import jax, jax.numpy as jnp, numpy as np
+    import parallel_backend as pb
+    from parallel_backend import guards
+    from benchmarks.likelihoods import LIKELIHOODS
+
+    fn, data, params = LIKELIHOODS["hmm_1k"][0](1_000, np.float32)
+    x = jnp.ones(1_000_000, np.float32)
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 100, lambda i, x: jnp.sin(x) + 0.5, x)
+                   .sum() * 0.0)
+    jax.block_until_ready(slow(x))
+
+    def queued(phase, watch):
+        with pb.ThreadExecutor(2, dispatch="host") as ex:
+            f = jax.jit(lambda *q: pb.reduce_sum(fn, data, *q, executor=ex))
+            want = np.float32(f(*params)) + np.float32(40)
+            # Short waits from here: the chunk programs are compiled (a slow compile under
+            # load is not a stall).
+            guards.STALL_SECONDS, guards.PROBE_SECONDS = 0.5, 1.0
+            faulthandler.dump_traceback_later(watch, exit=True)
+            v = f(*[q + slow(x) for q in params])  # its parameters still being computed
+            for _ in range(40):  # queued on v before it is ready
+                v = v + 1.0
+            try:
+                print(phase, "value", float(v) == float(want), flush=True)
+            except Exception as e:
+                print(phase, "error", "InFlightLimit" in str(e), flush=True)
+            faulthandler.cancel_dump_traceback_later()
+
+    queued("on", WATCH_ON)
+    with guards.disabled("stall_probe"):
+        queued("off", WATCH_OFF)
+""")
+
+
+@pytest.fixture(scope="module")
+def deadlocks():
+    """``finish(name)`` -> ``(output, hung)`` of the script of guard ``name``: the three
+    scripts run at once, each in a fresh process on a pool of two XLA threads; ``hung``
+    where its watchdog ended it."""
+    env = dict(os.environ, NPROC="2", JAX_PLATFORMS="cpu")
+    runs = {name: subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, script in (("after", AFTER), ("pool_gate", POOL_GATE),
+                                 ("stall_probe", STALL_PROBE))}
+
+    def finish(name):
+        run = runs[name]
+        try:
+            out, err = run.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"guard '{name}': its script hung past its watchdog\n{out}{err[-3000:]}")
+        hung = run.returncode != 0 and "Timeout (" in err
+        assert run.returncode == 0 or hung, out + err[-3000:]
+        return out + err[-2000:], hung
+
+    yield finish
+    for run in runs.values():
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+
+
+def check_deadlock_guard(name: str, out: str, hung: bool, expected: bool, kernels: str):
+    """The script's guard-on phase finished; its guard-off phase hung as ``expected``."""
+    assert "on ok" in out, f"guard '{name}': {kernels} hung with the guard on\n{out}"
+    if expected:
+        assert hung, (
+            f"guard '{name}' no longer needed on jax {JAX}? Without it {kernels} no longer "
+            f"hang\n{out}")
+    else:
+        assert not hung and "off ok" in out, (
+            f"guard '{name}' now needed on jax {JAX}: without it {kernels} wait for each "
+            f"other forever, as on jax 0.10\n{out}")
+
+
+def test_after_keeps_two_lapack_kernels_of_one_program_apart(deadlocks):
+    """In one program the padded last block's batched Cholesky waits for the other blocks'
+    (a conditional on their values): two at once each hand work to XLA's pool of two
+    threads and block their own until it is done, forever. Without the guard 40
+    evaluations hung on jax 0.10 in every run (within 1 to 18); never on jax 0.12."""
+    out, hung = deadlocks("after")
+    check_deadlock_guard("after", out, hung, LAPACK_BLOCKS_POOL,
+                         "the padded block's LAPACK kernels beside the others'")
+
+
+def test_pool_gate_keeps_a_pool_thread_free_of_lapack_chunk_programs(deadlocks):
+    """Chunk programs with batched LAPACK kernels run at most ``POOL_SLOTS`` (the pool's
+    threads less one) at a time: two at once on XLA's pool of two threads waited for each
+    other forever (jax 0.10, every run of the gradient; never on jax 0.12)."""
+    out, hung = deadlocks("pool_gate")
+    check_deadlock_guard("pool_gate", out, hung, LAPACK_BLOCKS_POOL,
+                         "two LAPACK chunk programs at once")
+
+
+def test_stall_probe_ends_a_host_callback_whose_chunks_cannot_start(deadlocks):
+    """The chunk programs of a callback whose result has 40 operations queued on it can
+    never start: with the guard the callback raises ``InFlightLimit`` within seconds (or
+    returns the value where XLA admitted them after all); without it, it waits forever
+    (jax 0.10 and 0.12, every run)."""
+    out, hung = deadlocks("stall_probe")
+    assert re.search(r"^on (error|value) True$", out, re.MULTILINE), (
+        f"guard 'stall_probe': the callback neither raised InFlightLimit nor returned the "
+        f"value (ended by its watchdog: {hung})\n{out}")
+    assert hung, (
+        f"guard 'stall_probe' no longer needed on jax {JAX}? Without it the queued case "
+        f"no longer hangs\n{out}")
