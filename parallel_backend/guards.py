@@ -101,8 +101,8 @@ def enabled(name: str) -> bool:
 def disabled(*names: str):
     """A block in which the guards ``names`` are off, process-wide: programs traced (and
     chunk programs compiled) inside it are built without them. For the tests that show
-    what each guard answers; never for users. A guard applied when a module is imported
-    (``one_program`` on the eager graph route's last program) stays on.
+    what each guard answers; never for users. ``one_program`` is read at each call, so
+    it is off inside the block also for programs made before it.
 
     Examples
     --------
@@ -206,9 +206,12 @@ def after(done, run):
 def one_program(fn, **jit_options):
     """``jax.jit(fn)`` (guard ``one_program``): partials computed eagerly are finished in
     one compiled program, as they are inside the caller's."""
-    if not enabled("one_program"):
-        return fn
-    return jax.jit(fn, **jit_options)
+    jitted = jax.jit(fn, **jit_options)
+
+    def call(*args, **kwargs):  # read at each call: one is made when a module is imported
+        return (jitted if enabled("one_program") else fn)(*args, **kwargs)
+
+    return call
 
 
 # -- guards of the host route's runtime ------------------------------------------------

@@ -21,6 +21,10 @@ import pytest
 
 import parallel_backend as pb
 
+#: Slow: the device checks run in a subprocess on forced devices (minutes); CI's slow lane runs
+#: them, tests/integration/test_memory.py keeps a device run in the default one.
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("device_checks.py")
 #: The checks' data size and block rows (device_checks.N, .BLOCK_ROWS).
 N, BLOCK_ROWS = 33_048, 2048

@@ -181,6 +181,7 @@ def test_killed_in_warmup_and_in_sampling_then_finished_elsewhere_is_bitwise(
     assert again.attrs == done.attrs
 
 
+@pytest.mark.slow
 def test_sequential_chains_killed_in_the_second_chain(tmp_path, uninterrupted,
                                                       assert_identical):
     path = tmp_path / "run.nc"

@@ -278,6 +278,7 @@ def test_nuts_float32_posterior_equals_plain(executor):
     assert_same_posterior(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", THREAD, indirect=True)
 def test_nuts_factor_float64_draws_equal_plain(executor, x64):
     X, y = make_data()

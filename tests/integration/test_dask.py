@@ -385,6 +385,7 @@ def cli_cluster(tmp_path):
         yield cluster
 
 
+@pytest.mark.slow
 def test_command_line_cluster_samples(cli_cluster, x64):
     address, _ = cli_cluster
     data = make_data()
@@ -431,7 +432,8 @@ def test_new_executor_on_a_scheduler_whose_workers_died_says_so(cli_cluster, x64
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["direct", "scheduler"])
+@pytest.mark.parametrize("transport", [
+    "direct", pytest.param("scheduler", marks=pytest.mark.slow)])
 def test_worker_killed_during_nuts_draws_unchanged(transport, x64):
     data = make_data()
     ref = run_nuts(pb.SerialExecutor(), data, warmup=40, samples=40)

@@ -19,6 +19,10 @@ import pytest
 
 import parallel_backend as pb
 
+#: Slow: the site is built (Sphinx, the notebooks with their outputs); CI's slow lane builds it
+#: on both stacks.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
 

@@ -92,6 +92,7 @@ def collect():
         gc.collect()
 
 
+@pytest.mark.slow
 def test_dropped_data_is_freed_on_the_default_executor():
     refs, held = fit_and_drop(None)
     assert held >= 1

@@ -18,6 +18,10 @@ from numpyro.infer import MCMC, NUTS
 import parallel_backend as pb
 from parallel_backend.blocks import YNN_REDUCE
 
+#: Slow: NUTS runs of the looped mixture; tests/unit/test_blocks.py keeps its form and bits in
+#: the default run.
+pytestmark = pytest.mark.slow
+
 N = 3000
 MEANS = np.array([-3.0, 0.0, 3.0])
 SITES = ("weights", "sigma")

@@ -429,14 +429,18 @@ AFTER = LAPACK + textwrap.dedent("""
 #: Guard ``pool_gate``, on the host route: 20,000 groups in 10 blocks of 2,000 (no padded
 #: block), two chunk programs at once on two threads but for the guard.
 POOL_GATE = LAPACK + textwrap.dedent("""
-    with pb.ThreadExecutor(2, dispatch="host") as ex:
-        f = jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
-            group_loglik, data, p, executor=ex, block_rows=2_000)))
-        evaluate(f, 20, WATCH_ON)  # compiles the chunk programs: the same ones below
-        print("on ok", flush=True)
-        with guards.disabled("pool_gate"):  # read as each chunk program runs
-            evaluate(f, 40, WATCH_OFF)
-        print("off ok", flush=True)
+    def host(calls, watch):  # a site's program takes its gate when it is made
+        with pb.ThreadExecutor(2, dispatch="host") as ex:
+            f = jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
+                group_loglik, data, p, executor=ex, block_rows=2_000)))
+            evaluate(f, 1, WATCH_ON)  # compiles: not a hang however long it takes
+            evaluate(f, calls, watch)
+
+    host(20, WATCH_ON)
+    print("on ok", flush=True)
+    with guards.disabled("pool_gate"):
+        host(40, WATCH_OFF)
+    print("off ok", flush=True)
 """)
 
 #: Guard ``stall_probe``: the caller's program waits for its parameters, and 40
