@@ -34,6 +34,7 @@ __all__ = [
     "balance_blocks",
     "block_axis",
     "cpu_count",
+    "device_shards",
     "looped_blocks",
     "pad_blocks",
     "plan_blocks",
@@ -330,6 +331,14 @@ def accelerator() -> bool:
     """Whether the caller's programs run on an accelerator (JAX's default backend is not
     the CPU): where the graph evaluates plain NumPyro's program instead of blocks."""
     return jax.default_backend() != "cpu"
+
+
+def device_shards() -> int:
+    """How many devices run the program being traced at once, one shard each: the
+    product of the manual axes of the mesh it is traced under (``jax.pmap``, NumPyro's
+    ``chain_method="parallel"``, a ``shard_map``), else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[name] for name in mesh.manual_axes)
 
 
 

@@ -45,7 +45,7 @@ from jax import lax
 
 from . import host as host_path
 from .batching import map_sets, nest_sets, tangent_batching
-from .blocks import accelerator
+from .blocks import accelerator, device_shards
 
 __all__ = [
     "GRAPH",
@@ -282,8 +282,18 @@ class SwitchedRoute(Route):
 def route_of(executor, state, grainsize, choice=None) -> Route:
     """The route of ``state``'s site on ``executor``: where ``choice`` (a traced int32
     from ``pb.sample``'s slots) is given, switched at run time; else the executor's
-    route for the site (:meth:`Executor.route`)."""
+    route for the site (:meth:`Executor.route`).
+
+    In a program that runs on several devices at once (:func:`.blocks.device_shards`:
+    ``jax.pmap``, NumPyro's ``chain_method="parallel"``), the graph, whatever the
+    executor's ``dispatch``: each device's shard would call back at the same time and
+    hold a thread of XLA's CPU pool while it waits, and once the shards hold every pool
+    thread, chunk programs in this process never start (seen with jax 0.10: two devices
+    on two cores). The devices already run in parallel there, and the graph gives the
+    same bits."""
     counter = executor.graph_counter(state) if executor.count_calls else None
+    if device_shards() > 1:
+        return GraphRoute(executor, state, counter)
     if choice is not None:
         return SwitchedRoute(GraphRoute(executor, state, counter),
                              HostRoute(executor, state, grainsize))

@@ -40,6 +40,7 @@ from numpyro.primitives import Messenger
 import parallel_backend as pb
 from parallel_backend.extend import cpu_count, row_bytes
 
+from .observe import ObservedRows
 from .replay import factor_sites, quietly, site_inputs, trace_model
 
 __all__ = [
@@ -280,12 +281,13 @@ def _recommend(rows, sites, samples):
 
 
 class swap_factors(Messenger):
-    """Replace the log-density of every ``pb.factor`` site.
+    """Replace the log-density of every ``pb.factor`` and ``pb.observe`` site.
 
     ``executor=None`` makes it plain NumPyro (``fn(data, *shared).sum()``, as
-    ``numpyro.factor`` would add); an executor makes it ``reduce_sum`` on that
-    executor, with the site's own ``grainsize`` and ``block_rows``. The site's
-    original value is then unused, and XLA drops it from the compiled program.
+    ``numpyro.factor`` would add; the site's own distribution ``dist_fn(data, *shared)``
+    for an observed site); an executor makes it ``reduce_sum`` (``reduce_rows`` for an
+    observed site) on that executor, with the site's own ``grainsize`` and ``block_rows``.
+    The site's original value is then unused, and XLA drops it from the compiled program.
     """
 
     def __init__(self, fn=None, executor=None):
@@ -295,6 +297,17 @@ class swap_factors(Messenger):
     def process_message(self, msg):
         info = site_inputs(msg)
         if info is None:
+            return
+        if info["kind"] == "observe":
+            site = msg["fn"]
+            while not isinstance(site, ObservedRows):
+                site = site.base_dist
+            if self.executor is not None:
+                msg["fn"] = site._replace(executor=self.executor)
+            elif site.row_mask is None:
+                msg["fn"] = site.full()
+            else:
+                msg["fn"] = site.full().mask(site.row_mask)
             return
         fn, data, shared = info["fn"], info["data"], info["shared"]
         if self.executor is None:

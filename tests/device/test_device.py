@@ -51,7 +51,7 @@ def device_run(n: int, modes: str, nuts: str, names: str = "", xla_flags: str = 
 
 def two_devices() -> dict:
     """Every mode on 2 devices, with NUTS: one chain, vectorized chains, parallel chains
-    (graph mode's one chain runs in ``test_graph_mode_bitwise_everywhere_with_xla_cse_off``)."""
+    (graph mode's one chain runs in ``test_graph_mode_with_xla_cse_off``)."""
     return device_run(2, "auto,host,graph", "one_chain,vectorized,parallel")
 
 
@@ -170,16 +170,20 @@ def test_nuts_draws_bitwise_identical_to_serial(mode, chains):
 
 
 @pytest.mark.slow  # a third subprocess (about a minute); graph mode is opt-in
-def test_graph_mode_bitwise_everywhere_with_xla_cse_off():
+def test_graph_mode_with_xla_cse_off():
     # The last-bit differences of graph mode come from the common-subexpression pass
     # that XLA's multi-device pipeline runs before algebraic simplification. With that
-    # pass off (for the whole process: the documented way to get bitwise draws from the
-    # shard_map), vmap and one-chain NUTS are bitwise those of SerialExecutor too.
+    # pass off (for the whole process), vmap and one-chain NUTS were bitwise those of SerialExecutor too on an
+    # Intel Xeon (both stacks); on an AMD EPYC the random effects' gradient under vmap
+    # still differed by 2e-15 relative and the draws by 7e-12 after 30 + 30 (both stacks).
+    # Held here: one call bitwise, the rest within round-off.
     run = device_run(2, "graph", "graph:one_chain", xla_flags="--xla_disable_hlo_passes=cse")
     for name in PROBLEMS:
         r = run["graph"][name]
-        assert r["identical"] and r["vmap_identical"], (name, r)
-    assert run["graph"]["nuts"]["one_chain"]["identical"], run["graph"]["nuts"]
+        assert r["identical"], (name, r)
+        assert r["vmap_identical"] or r["vmap_rel_err"] < 1e-14, (name, r)
+    nuts = run["graph"]["nuts"]["one_chain"]
+    assert nuts["identical"] or nuts["max_abs_diff"] < 1e-9, nuts
 
 
 # -- in this process: one CPU device -------------------------------------------------
