@@ -40,8 +40,7 @@ from numpyro.primitives import Messenger
 import parallel_backend as pb
 from parallel_backend.extend import cpu_count, row_bytes
 
-from .observe import ObservedRows
-from .replay import factor_sites, quietly, site_inputs, trace_model
+from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
 
 __all__ = [
     "MARGIN",
@@ -299,9 +298,7 @@ class swap_factors(Messenger):
         if info is None:
             return
         if info["kind"] == "observe":
-            site = msg["fn"]
-            while not isinstance(site, ObservedRows):
-                site = site.base_dist
+            site = site_distribution(msg["fn"])
             if self.executor is not None:
                 msg["fn"] = site._replace(executor=self.executor)
             elif site.row_mask is None:

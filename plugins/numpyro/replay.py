@@ -30,7 +30,7 @@ import parallel_backend as pb
 from .internals import handler_stack
 
 __all__ = ["HMC_EXTRA_FIELDS", "INFER_KEY", "FactorUnit", "factor_sites", "honour_plates",
-           "plates_fit", "quietly", "site_inputs", "trace_model"]
+           "plates_fit", "quietly", "site_distribution", "site_inputs", "trace_model"]
 
 #: Key of a factor site's ``infer`` dict that marks it as a ``pb.factor`` site (a flag).
 INFER_KEY = "parallel_backend"
@@ -237,10 +237,16 @@ def site_inputs(site):
     if (site.get("type") != "sample" or not site.get("is_observed")
             or not (site.get("infer") or {}).get(INFER_KEY)):
         return None
-    fn = site["fn"]
+    fn = site_distribution(site["fn"])
+    return fn.inputs if fn is not None else None
+
+
+def site_distribution(fn):
+    """The ``pb.factor`` or ``pb.observe`` distribution inside ``fn`` (through any wrapper
+    a handler put around it: ``base_dist``), or ``None``."""
     while getattr(fn, "pb_site", None) is None and hasattr(fn, "base_dist"):
         fn = fn.base_dist
-    return fn.inputs if getattr(fn, "pb_site", None) is not None else None
+    return fn if getattr(fn, "pb_site", None) is not None else None
 
 
 def factor_sites(trace) -> dict:
