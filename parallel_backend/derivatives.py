@@ -197,8 +197,8 @@ def row_values(weighted, plain, ones, moving):
         if differentiated(sub):
             p = values(xs)
             return p, jax.jvp(lambda s: plain(merge(xs, s, flags)), (sub,), (tsub,))[1]
-        p, g = jax.grad(weighted_sub, argnums=(0, 1))(ones, sub)
-        y = jax.jvp(lambda s: jax.grad(weighted_sub)(ones, s), (sub,), (tsub,))[1]
+        (p, g), (y, _) = jax.jvp(lambda s: jax.grad(weighted_sub, argnums=(0, 1))(ones, s),
+                                 (sub,), (tsub,))
         flat = jnp.ravel(y)
         along = _dotted(flat[0], list(zip(g, tsub)))
         return p, flat.at[0].add(along - jnp.sum(flat)).reshape(jnp.shape(y))

@@ -158,10 +158,15 @@ class Executor:
         override it; it must not time or compile anything (it runs while tracing)."""
         return _routes.default_route(self, state)
 
+    def has_host_path(self, state: SiteState) -> bool:
+        """Whether ``state``'s site can be evaluated through the host callback at all,
+        paying or not (it always can but where a subclass says no)."""
+        return True
+
     def can_use_host(self, state: SiteState) -> bool:
         """Whether the host path can pay at all for ``state``'s site: several workers and
-        several tiles. Subclasses may say no in more cases."""
-        return self.workers >= 2 and state.spec.tiles.n_tiles >= 2
+        several tiles, where :meth:`has_host_path`."""
+        return self.has_host_path(state) and self.workers >= 2 and state.spec.tiles.n_tiles >= 2
 
     def route(self, state: SiteState) -> str:
         """Where ``state``'s site runs by default: decided (by :meth:`decide`) the first
