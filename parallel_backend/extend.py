@@ -35,7 +35,16 @@ waiting forever.
 """
 
 from .batching import unblock
-from .blocks import BlockPlan, TilePlan, block_axis, cpu_count, pad_blocks, row_bytes, xla_threads
+from .blocks import (
+    BlockPlan,
+    TilePlan,
+    accelerator,
+    block_axis,
+    cpu_count,
+    pad_blocks,
+    row_bytes,
+    xla_threads,
+)
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
 from .errors import ChunkError, InFlightLimit, check_count
 from .executors.base import Executor, site_stats
@@ -75,6 +84,7 @@ __all__ = [
     "Slots",
     "Task",
     "TilePlan",
+    "accelerator",
     "block_axis",
     "carried",
     "check_count",

@@ -358,12 +358,29 @@ class Program:
         return fn(tuple(resident), tuple(traced), tuple(shared))
 
     def _plain_fn(self, diff_traced, diff_shared, set_axes, order):
-        block, n_blocks = self.spec.block_fn(), self.spec.plan.n_blocks
+        n_blocks = self.spec.plan.n_blocks
+        sums = self.plain_sums(diff_traced, diff_shared, set_axes, order)
+        lead = 0 if set_axes is None else 1
 
-        def first_of(x):  # the whole in block 0, zeros in the others
-            return jnp.zeros((n_blocks,) + jnp.shape(x), jnp.result_type(x)).at[0].set(x)
+        def first_of(x):  # the whole in block 0, zeros in the others (after any sets)
+            shape = jnp.shape(x)[:lead] + (n_blocks,) + jnp.shape(x)[lead:]
+            return jnp.zeros(shape, jnp.result_type(x)).at[(slice(None),) * lead + (0,)].set(x)
 
-        def one(resident, traced, shared):
+        def plain(resident, traced, shared):
+            v, gs, gt = sums(resident, traced, shared)
+            return first_of(v), tuple(map(first_of, gs)), gt
+
+        return plain
+
+    def plain_sums(self, diff_traced, diff_shared, set_axes=None, order: int = 1):
+        """``f(resident, traced, shared, valid=None) -> (value, shared gradients, per-row
+        gradients)``: ``fn`` on all the rows it is given at once, summed, with JAX's own
+        derivatives (plain NumPyro's program). ``valid``: only rows ``[0, valid)`` count
+        (a device's share padded with copies of its last row), else all. ``set_axes``: a
+        batch of parameter sets, leading in the outputs; ``order`` as in :meth:`_block`."""
+        block = self.spec.block_fn()
+
+        def one(resident, traced, shared, valid):
             if order == 2:
                 n_t, n_s = len(diff_traced), len(diff_shared)
                 tan_t, tan_s = traced[n_t:], shared[n_s:]
@@ -371,21 +388,25 @@ class Program:
 
             def grads(td, sd):
                 def total(td, sd):
-                    return jnp.sum(block(resident, merge(traced, td, diff_traced),
-                                         merge(shared, sd, diff_shared)))
+                    pointwise = block(resident, merge(traced, td, diff_traced),
+                                      merge(shared, sd, diff_shared))
+                    if valid is not None:
+                        pointwise = jnp.where(jnp.arange(pointwise.shape[0]) < valid,
+                                              pointwise, 0)
+                    return jnp.sum(pointwise)
 
                 v, (gt, gs) = jax.value_and_grad(total, argnums=(0, 1))(td, sd)
                 return v, tuple(gs), tuple(gt)
 
             td, sd = tuple(kept(traced, diff_traced)), tuple(kept(shared, diff_shared))
-            v, gs, gt = (grads(td, sd) if order == 1 else
-                         jax.jvp(grads, (td, sd), (tuple(tan_t), tuple(tan_s)))[1])
-            return first_of(v), tuple(map(first_of, gs)), gt
+            return (grads(td, sd) if order == 1 else
+                    jax.jvp(grads, (td, sd), (tuple(tan_t), tuple(tan_s)))[1])
 
         if set_axes is None:
-            return one
-        return lambda resident, traced, shared: jax.vmap(
-            one, in_axes=(None,) + tuple(set_axes))(resident, traced, shared)
+            return lambda resident, traced, shared, valid=None: one(resident, traced, shared,
+                                                                     valid)
+        return lambda resident, traced, shared, valid=None: jax.vmap(
+            one, in_axes=(None,) + tuple(set_axes) + (None,))(resident, traced, shared, valid)
 
     def _graph_fn(self, diff_traced, diff_shared, set_axes, order):
         key = ("graph", diff_traced, diff_shared, set_axes, order)

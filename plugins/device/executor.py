@@ -34,6 +34,7 @@ from parallel_backend.extend import (
     Executor,
     Resident,
     Task,
+    accelerator,
     block_axis,
     chunks_within,
     even_slots,
@@ -88,6 +89,12 @@ class DeviceExecutor(Executor):
         run may drift apart. Starting Python with
         ``XLA_FLAGS=--xla_disable_hlo_passes=cse`` (for every program of the process)
         removed the difference on an Intel Xeon, not on an AMD EPYC.
+        On accelerators (JAX's default backend a GPU or a TPU) there are no blocks to
+        run: with ``"auto"`` or ``"graph"`` each device runs plain NumPyro's program
+        (``fn`` on all its rows at once) on a contiguous share of the rows, in one
+        ``shard_map``; on one device that is plain's program. Values and gradients
+        are plain's to rounding (each device sums its own rows), the same bits for a
+        given number of devices.
     count_calls : bool
         Count evaluations that stay in the graph for :meth:`stats`.
 
@@ -96,8 +103,8 @@ class DeviceExecutor(Executor):
     UserWarning
         Once, when made, with every reason that applies: with one device it works,
         but nothing runs in parallel; on a GPU (or another accelerator)
-        ``dispatch="host"`` runs ``"graph"`` instead, and where the blocks stay on one
-        GPU every route measured slower than plain NumPyro.
+        ``dispatch="host"`` runs ``"graph"`` instead, and on one GPU nothing is split
+        (plain NumPyro's program runs there).
 
     Notes
     -----
@@ -156,15 +163,19 @@ class DeviceExecutor(Executor):
             return "graph"
         return super().decide(state)
 
-    def can_use_host(self, state) -> bool:
-        """As :meth:`Executor.can_use_host`; never inside ``pmap`` (in place), nor on an
-        accelerator (see :data:`.notes.HOST_ROUTE_WAITS`)."""
-        return (self._devices[0].platform == "cpu" and not _in_place()
-                and super().can_use_host(state))
+    def has_host_path(self, state) -> bool:
+        """Never inside ``pmap`` (in place), nor on an accelerator (see
+        :data:`.notes.HOST_ROUTE_WAITS`)."""
+        return self._devices[0].platform == "cpu" and not _in_place()
 
     def _mapped(self, state) -> bool:
-        """Whether ``state``'s graph path is the ``shard_map`` over the devices."""
-        return self.dispatch == "graph" and state.decision == "graph"
+        """Whether ``state``'s graph path is the ``shard_map`` over the devices: with
+        ``dispatch="graph"``, and on several accelerators with ``"auto"`` too (each
+        device runs plain's program on its share of the rows)."""
+        if state.decision != "graph":
+            return False
+        return self.dispatch == "graph" or (self.dispatch == "auto" and accelerator()
+                                            and len(self._devices) > 1)
 
     # -- the host path: one-device programs, one per device ------------------------
 
@@ -265,6 +276,9 @@ class DeviceExecutor(Executor):
         if not mapped:
             return super().graph_partials(state, traced, shared, diff_traced, diff_shared,
                                           set_axes)
+        if accelerator():
+            return self._plain_shares(state, traced, shared, diff_traced, diff_shared,
+                                      set_axes)
         program, plan = state.program, state.spec.plan
         layout, prepared, valid = self._place(state)
         axes_t = set_axes[0] if set_axes else (None,) * len(traced)
@@ -305,6 +319,74 @@ class DeviceExecutor(Executor):
         if not any(is_tracer(x) for x in jax.tree.leaves(result)):
             # Called eagerly (no jit): hand back uncommitted arrays on the default
             # device, as any eager jax operation makes, so they mix with the caller's.
+            result = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), result)
+        return result
+
+    # -- on accelerators: plain's program on each device's share of the rows ----------
+
+    def _placed_rows(self, state):
+        """``state``'s resident data as rows, padded with copies of the last row to a
+        whole share per device (the layout's ``local_rows`` each) and sharded, with each
+        device's count of real rows; placed once."""
+        with self._place_lock:
+            placed = self._kept("rows", state)
+            if placed is None:
+                layout = self.layout(state)
+                total = layout.devices * layout.local_rows
+                n = state.spec.plan.n_rows
+                counts = np.clip(n - np.arange(layout.devices) * layout.local_rows, 0,
+                                 layout.local_rows).astype(np.int32)
+
+                def put():
+                    with jax.enable_x64(state.spec.x64):
+                        return tuple(jax.device_put(_pad_rows(np.asarray(x), total, 0, np),
+                                                    self._sharding)
+                                     for x in (*state.resident(), counts))
+
+                arrays = run_eagerly(put)  # called while tracing: placed now, not traced
+                placed = self._keep("rows", state, (arrays[:-1], arrays[-1]))
+        return placed
+
+    def _plain_shares(self, state, traced, shared, diff_traced, diff_shared, set_axes):
+        """Per-block partials where each device runs plain NumPyro's program (``fn`` on
+        all its rows at once, JAX's own derivatives: :meth:`Program.plain_sums`) on its
+        contiguous share of the rows, in one ``shard_map``: what the graph is on several
+        accelerators, as plain's program is on one. A device's sums go to the slot of its
+        first block (zeros in the others), so they combine in device order. The bits
+        depend on the number of devices (each sums its own rows)."""
+        plan, layout = state.spec.plan, self.layout(state)
+        resident, counts = self._placed_rows(state)
+        axes_t = set_axes[0] if set_axes else (None,) * len(traced)
+        total = layout.devices * layout.local_rows
+        # Rows first (a set axis after them) to be split over the devices.
+        rows = tuple(jnp.moveaxis(_pad_rows(t, total, block_axis(a), jnp), block_axis(a), 0)
+                     for t, a in zip(traced, axes_t))
+        sums = state.program.plain_sums(tuple(diff_traced), tuple(diff_shared), set_axes)
+        lead = 0 if set_axes is None else 1
+
+        def run(resident, rows, shared, count):
+            rows = tuple(jnp.moveaxis(t, 0, block_axis(a)) for t, a in zip(rows, axes_t))
+            v, gs, gt = sums(resident, rows, shared, count[0])
+            # The device axis first: values and shared gradients one per device, per-row
+            # gradients with the rows first.
+            return (v[None], tuple(g[None] for g in gs),
+                    tuple(jnp.moveaxis(g, lead, 0) for g in gt))
+
+        spec = PartitionSpec(AXIS)
+        mapped_fn = jax.jit(jax.shard_map(run, mesh=self._mesh,
+                                          in_specs=(spec, spec, PartitionSpec(), spec),
+                                          out_specs=spec, check_vma=False))
+        v, gs, gt = mapped_fn(resident, rows, tuple(shared), counts)
+        slots = [d * layout.per_device for d in range(layout.devices) if layout.blocks_on(d)]
+
+        def by_block(x):  # (devices, *sets, ...) -> (*sets, blocks, ...)
+            out = jnp.zeros((plan.n_blocks,) + x.shape[1:], x.dtype)
+            out = out.at[jnp.asarray(slots)].set(x[:len(slots)])
+            return jnp.moveaxis(out, 0, lead)
+
+        result = (by_block(v), tuple(map(by_block, gs)),
+                  tuple(jnp.moveaxis(g[:plan.n_rows], 0, lead) for g in gt))
+        if not any(is_tracer(x) for x in jax.tree.leaves(result)):
             result = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), result)
         return result
 
@@ -364,9 +446,14 @@ class DeviceExecutor(Executor):
             with self._place_lock:
                 placed = state.placed.pop("device.placed", None)
                 shares = state.placed.pop("device.shares", None) or ()
+                rows = state.placed.pop("device.rows", None)
             if placed is not None:
                 _, arrays, valid = placed
                 for arr in (*arrays, valid):
+                    arr.delete()
+            if rows is not None:
+                arrays, counts = rows
+                for arr in (*arrays, counts):
                     arr.delete()
             for share in shares:
                 share.resident.delete()
@@ -381,6 +468,17 @@ class DeviceExecutor(Executor):
 def _in_place() -> bool:
     """Inside ``pmap`` or a user's mesh: the caller's chain already owns its device."""
     return not jax.sharding.get_abstract_mesh().empty
+
+
+def _pad_rows(x, total: int, axis: int, xp):
+    """``x`` with its rows (on ``axis``) padded to ``total`` with copies of the last."""
+    n = x.shape[axis]
+    if n == total:
+        return x
+    last = xp.take(x, xp.asarray([n - 1]), axis=axis)
+    shape = list(x.shape)
+    shape[axis] = total - n
+    return xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
 
 
 def _nbytes(x) -> int:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["HOST_ROUTE_WAITS", "ONE_ACCELERATOR_LOSES", "SEVERAL_ACCELERATORS",
-           "check_devices", "route_notes"]
+__all__ = ["HOST_ROUTE_WAITS", "ONE_ACCELERATOR", "check_devices", "route_notes"]
 
 #: Why the host route is never taken on an accelerator. Its callback runs inside the
 #: caller's program, which holds the device until the callback returns; compiling the
@@ -20,15 +19,12 @@ HOST_ROUTE_WAITS = (
     "caller's program, which holds the {platform} until the callback returns, and "
     "compiling the blocks' programs for that {platform} there stalls. Using "
     "dispatch='graph' (the blocks inside the caller's program) instead.")
-#: What the routes do on one accelerator (measured: docs/performance.md).
-ONE_ACCELERATOR_LOSES = (
-    "on {platform} the blocks run one after another inside the caller's program on one "
-    "{platform} (the host route cannot run there), and every route measured slower there "
-    "than plain NumPyro, which evaluates all rows in fewer, larger kernels. On one "
-    "{platform} use plain NumPyro.")
-#: Added where several accelerators are visible and ``dispatch="auto"`` keeps one busy.
-SEVERAL_ACCELERATORS = (
-    " dispatch='graph' splits the blocks over the {n} devices (not measured here).")
+#: What ``DeviceExecutor`` does on one accelerator (measured: docs/performance.md).
+ONE_ACCELERATOR = (
+    "on one {platform} nothing is split: a site runs plain NumPyro's program there (fn on "
+    "every row at once, in the caller's program; the host route cannot run there), as "
+    "fast as plain NumPyro and no faster. With several {platform} devices each runs "
+    "that program on its share of the rows.")
 
 
 def check_devices(devices) -> tuple:
@@ -58,15 +54,14 @@ def check_devices(devices) -> tuple:
 
 def route_notes(devices, dispatch: str) -> tuple[str, list]:
     """The dispatch a ``DeviceExecutor`` on ``devices`` uses for the one asked for, and
-    what it warns when made (the host route refused on an accelerator, every route
-    slower than plain NumPyro on one accelerator, one device that maps nothing)."""
+    what it warns when made (the host route refused on an accelerator, nothing split on
+    one accelerator, one device that maps nothing)."""
     platform, notes = devices[0].platform, []
     if platform != "cpu" and dispatch == "host":
         notes.append(HOST_ROUTE_WAITS.format(platform=platform))
         dispatch = "graph"
-    if platform != "cpu" and (len(devices) == 1 or dispatch == "auto"):
-        notes.append(ONE_ACCELERATOR_LOSES.format(platform=platform)
-                     + (SEVERAL_ACCELERATORS.format(n=len(devices)) if len(devices) > 1 else ""))
+    if platform != "cpu" and len(devices) == 1:
+        notes.append(ONE_ACCELERATOR.format(platform=platform))
     elif len(devices) == 1:
         notes.append(
             f"only one device ({devices[0]}), so the blocks run one after "

@@ -268,7 +268,7 @@ def test_gpu_matches_serial_on_the_gpu(mode):
         ref = f(serial)(jnp.float32(0.1), jnp.float32(0.2))
         assert dev.stats()["calls"] == 1
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-5)
-    if dev.dispatch != "graph" or len(gpus) == 1:  # graph on several GPUs: equal to rounding
+    if len(gpus) == 1:  # several GPUs share the rows, each sums its own: equal to rounding
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
 
 
@@ -283,13 +283,13 @@ def test_gpu_host_dispatch_falls_back_to_the_graph_naming_why():
 
 
 @pytest.mark.gpu
-def test_gpu_warns_once_that_every_route_loses_and_a_scan_finishes_in_the_graph():
+def test_gpu_warns_once_that_nothing_is_split_and_a_scan_finishes_in_the_graph():
     gpus = gpus_or_skip()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ex = pb.DeviceExecutor(devices=gpus[:1])
     assert len(caught) == 1, [str(w.message) for w in caught]
-    assert "measured slower there than plain NumPyro" in str(caught[0].message)
+    assert "nothing is split" in str(caught[0].message)
     y = jax.device_put(np.random.default_rng(0).normal(size=(20_000, 10)).astype(np.float32),
                        gpus[0])
 

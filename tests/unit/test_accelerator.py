@@ -7,6 +7,8 @@ report a GPU and check the programs on the CPU (what they compute, and that ever
 executor computes the same bits). What the rule gains on a real GPU is measured in
 docs/performance.md."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,83 @@ def test_the_rule_reads_the_backend(monkeypatch):
     assert not accelerator()  # these tests run on the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert accelerator()
+
+
+# -- several accelerators: the rows shared, each device running plain's program -----------
+
+#: Set in the subprocess that has two forced host CPU devices (the count is fixed when JAX
+#: starts).
+FORCED = "PARALLEL_BACKEND_TEST_FORCED_DEVICES"
+
+
+def per_row(d, mu, log_sigma):  # a per-row parameter u beside the data x
+    x, u = d
+    return loglik(x - u, mu, log_sigma)
+
+
+def test_rows_shared_over_devices_each_runs_plains_program(gpu):
+    """On several accelerators ``DeviceExecutor()`` (``auto``) splits the rows into one
+    contiguous share per device, and each device runs plain's program on its share in one
+    ``shard_map``: no block program, no callback. Values and derivatives are plain's to
+    rounding (each device sums its own rows); eager, jitted and ``dispatch="graph"``
+    calls give the same bits."""
+    import warnings
+
+    if not os.environ.get(FORCED):
+        pytest.skip(f"runs in the subprocess of test_on_two_forced_devices ({FORCED})")
+    assert jax.device_count() == 2
+    rng = np.random.default_rng(2)
+    n = 10_007  # 11 blocks of 1,000 (the last of 7 rows): 6 blocks on one device, 5 on the other
+    x = rng.normal(size=n).astype(np.float32)
+    u = jnp.asarray(rng.normal(scale=0.1, size=n).astype(np.float32))
+    params = (jnp.float32(0.3), u, jnp.float32(-0.2))
+
+    def plain(mu, u, s):
+        return loglik(x - u, mu, s).sum()
+
+    want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(*params)
+    results = []
+    for dispatch in ("auto", "graph"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # forced CPU devices reported as GPUs: it warns
+            ex = pb.DeviceExecutor(dispatch=dispatch)
+        with ex:
+            def site(mu, u, s, ex=ex):
+                return pb.reduce_sum(per_row, (x, u), mu, s, executor=ex, block_rows=1_000)
+
+            got = jax.jit(jax.value_and_grad(site, argnums=(0, 1, 2)))(*params)
+            eager = jax.value_and_grad(site, argnums=(0, 1, 2))(*params)
+            (state,) = ex.sites()
+            assert not state.traces, state.traces  # no block program: plain's
+            (entry,) = ex.stats()["sites"]
+            assert entry["dispatch"] == "graph" and entry["devices"] == 2, entry
+            assert entry["chunk_rows"] == [6_000] and ex.stats()["host_calls"] == 0
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+            for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(got)):
+                assert np.array_equal(a, b)
+            results.append(got)
+
+            sets = jnp.stack([jnp.linspace(-0.2, 0.2, 3), jnp.linspace(-0.1, 0.1, 3)], 1)
+            np.testing.assert_allclose(
+                jax.jit(jax.vmap(jax.grad(lambda p: site(p[0], u, p[1]))))(sets),
+                jax.vmap(jax.grad(lambda p: plain(p[0], u, p[1])))(sets), rtol=2e-5)
+            np.testing.assert_allclose(
+                jax.jit(jax.hessian(lambda p: site(p[0], u, p[1])))(sets[0]),
+                jax.hessian(lambda p: plain(p[0], u, p[1]))(sets[0]), rtol=2e-4)
+        assert "device.rows" not in state.placed  # closed: the shares' buffers freed
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        assert np.array_equal(a, b)
+
+
+def test_on_two_forced_devices():
+    """The test above in a subprocess with two forced host CPU devices."""
+    import re
+
+    import helpers
+
+    if os.environ.get(FORCED):
+        pytest.skip("this is that subprocess")
+    proc = helpers.pytest_on_forced_devices(__file__, "shared_over_devices", FORCED, 2)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"\b1 passed", proc.stdout), proc.stdout[-2000:]
