@@ -59,6 +59,18 @@ def plain_regression_model(data):
     numpyro.sample("y", dist.Normal(alpha + beta * data["x"], sigma), obs=data["y"])
 
 
+def group_loglik(rows, log_ls):
+    """A Gaussian process per group (row): a batched Cholesky and triangular solve, the
+    LAPACK kernels that block a thread of XLA's CPU pool (the deadlock tests' likelihood;
+    rows ``{"t": (N, m), "y": (N, m)}``)."""
+    t, y = rows["t"], rows["y"]
+    d2 = (t[:, :, None] - t[:, None, :]) ** 2
+    K = jnp.exp(-0.5 * d2 * jnp.exp(-2 * log_ls)) + 0.1 * jnp.eye(t.shape[1])
+    L = jnp.linalg.cholesky(K)
+    r = jax.scipy.linalg.solve_triangular(L, y[..., None], lower=True)[..., 0]
+    return -0.5 * jnp.sum(r * r, -1) - jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), -1)
+
+
 def split_value_and_grad(fn, executor, x, block_rows: int):
     """A new jitted value and gradient in ``mu`` of ``pb.reduce_sum(fn, x, mu)``: a new
     function, so JAX's own jit cache (keyed by the function object) does not answer."""

@@ -5,6 +5,7 @@ several callers, that chunk functions compile once per shape, and the adaptive c
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -420,14 +421,9 @@ LAPACK_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 import parallel_backend as pb
 from parallel_backend.blocks import xla_threads
-
-def group_loglik(rows, log_ls):  # a Cholesky and a triangular solve per group (row)
-    t, y = rows["t"], rows["y"]
-    d2 = (t[:, :, None] - t[:, None, :]) ** 2
-    K = jnp.exp(-0.5 * d2 * jnp.exp(-2 * log_ls)) + 0.1 * jnp.eye(t.shape[1])
-    L = jnp.linalg.cholesky(K)
-    r = jax.scipy.linalg.solve_triangular(L, y[..., None], lower=True)[..., 0]
-    return -0.5 * jnp.sum(r * r, -1) - jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), -1)
+import sys
+sys.path.insert(0, {tests!r})
+from helpers import group_loglik  # a Cholesky and a triangular solve per group (row)
 
 N, BLOCK_ROWS = {n}, {block_rows}
 rng = np.random.default_rng(0)
@@ -460,7 +456,8 @@ def test_lapack_likelihood_on_every_thread_does_not_hang(n, block_rows):
     each other forever. The host path now runs fewer of them at once. Inside one program
     the padded last block ran beside the others and two such kernels hung the pool in the
     graph too (2,000 groups in blocks of 300: 2 runs of 3); now it waits for them."""
-    script = LAPACK_SCRIPT.format(n=n, block_rows=block_rows)
+    script = LAPACK_SCRIPT.format(n=n, block_rows=block_rows,
+                                  tests=str(Path(__file__).resolve().parents[1]))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, check=False,
                          text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
