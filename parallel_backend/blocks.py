@@ -417,17 +417,25 @@ def take_blocks(traced, set_axes, start, stop):
     return tuple(x[:, start:stop] if a == 0 else x[start:stop] for x, a in zip(traced, set_axes))
 
 
+def pad_rows(x, total: int, axis: int = 0, xp=np):
+    """Rows of ``x`` on ``axis`` padded to ``total`` with copies of the last row (values
+    ``fn`` handles as it handles that row: masked, they pull back zeros, never NaN).
+    ``xp`` is numpy or jax.numpy."""
+    n = x.shape[axis]
+    if total <= n:
+        return x
+    last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is not np else x.take([n - 1],
+                                                                                  axis=axis)
+    shape = list(x.shape)
+    shape[axis] = total - n
+    return xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
+
+
 def pad_blocks(x, plan, axis: int = 0, xp=np):
     """Rows of ``x`` on ``axis`` padded (copies of the last row) to whole blocks and
     reshaped to ``(blocks, block_rows)`` there. ``xp`` is numpy or jax.numpy."""
-    n, rows = plan.n_rows, plan.block_rows
+    rows = plan.block_rows
     n_blocks = plan.n_full + (1 if plan.tail_rows else 0)  # plan.n_blocks, inlined: hot
-    total = n_blocks * rows
-    if total > n:
-        last = xp.take(x, xp.asarray([n - 1]), axis=axis) if xp is not np else x.take([n - 1],
-                                                                                      axis=axis)
-        shape = list(x.shape)
-        shape[axis] = total - n
-        x = xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
+    x = pad_rows(x, n_blocks * rows, axis, xp)
     shape = x.shape[:axis] + (n_blocks, rows) + x.shape[axis + 1:]
     return x.reshape(shape)

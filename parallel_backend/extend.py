@@ -42,6 +42,7 @@ from .blocks import (
     block_axis,
     cpu_count,
     pad_blocks,
+    pad_rows,
     row_bytes,
     xla_threads,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "host_device",
     "is_tracer",
     "pad_blocks",
+    "pad_rows",
     "reduce_rows",
     "resolve_executor",
     "row_bytes",

@@ -44,6 +44,7 @@ from parallel_backend.extend import (
     hide_bounds,
     is_tracer,
     pad_blocks,
+    pad_rows,
     run_eagerly,
     run_task,
     unblock,
@@ -339,7 +340,7 @@ class DeviceExecutor(Executor):
 
                 def put():
                     with jax.enable_x64(state.spec.x64):
-                        return tuple(jax.device_put(_pad_rows(np.asarray(x), total, 0, np),
+                        return tuple(jax.device_put(pad_rows(np.asarray(x), total, 0, np),
                                                     self._sharding)
                                      for x in (*state.resident(), counts))
 
@@ -359,7 +360,7 @@ class DeviceExecutor(Executor):
         axes_t = set_axes[0] if set_axes else (None,) * len(traced)
         total = layout.devices * layout.local_rows
         # Rows first (a set axis after them) to be split over the devices.
-        rows = tuple(jnp.moveaxis(_pad_rows(t, total, block_axis(a), jnp), block_axis(a), 0)
+        rows = tuple(jnp.moveaxis(pad_rows(t, total, block_axis(a), jnp), block_axis(a), 0)
                      for t, a in zip(traced, axes_t))
         sums = state.program.plain_sums(tuple(diff_traced), tuple(diff_shared), set_axes)
         lead = 0 if set_axes is None else 1
@@ -468,17 +469,6 @@ class DeviceExecutor(Executor):
 def _in_place() -> bool:
     """Inside ``pmap`` or a user's mesh: the caller's chain already owns its device."""
     return not jax.sharding.get_abstract_mesh().empty
-
-
-def _pad_rows(x, total: int, axis: int, xp):
-    """``x`` with its rows (on ``axis``) padded to ``total`` with copies of the last."""
-    n = x.shape[axis]
-    if n == total:
-        return x
-    last = xp.take(x, xp.asarray([n - 1]), axis=axis)
-    shape = list(x.shape)
-    shape[axis] = total - n
-    return xp.concatenate([x, xp.broadcast_to(last, tuple(shape))], axis=axis)
 
 
 def _nbytes(x) -> int:

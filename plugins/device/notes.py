@@ -19,12 +19,13 @@ HOST_ROUTE_WAITS = (
     "caller's program, which holds the {platform} until the callback returns, and "
     "compiling the blocks' programs for that {platform} there stalls. Using "
     "dispatch='graph' (the blocks inside the caller's program) instead.")
-#: What ``DeviceExecutor`` does on one accelerator (measured: docs/performance.md).
+#: What ``DeviceExecutor`` does on one accelerator (not yet measured on a GPU; the block
+#: loop it replaced was: docs/performance.md).
 ONE_ACCELERATOR = (
     "on one {platform} nothing is split: a site runs plain NumPyro's program there (fn on "
-    "every row at once, in the caller's program; the host route cannot run there), as "
-    "fast as plain NumPyro and no faster. With several {platform} devices each runs "
-    "that program on its share of the rows.")
+    "every row at once, in the caller's program; the host route cannot run there), so "
+    "expect no gain over plain NumPyro. With several {platform} devices each runs that "
+    "program on its share of the rows.")
 
 
 def check_devices(devices) -> tuple:
