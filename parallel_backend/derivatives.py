@@ -37,7 +37,7 @@ from .routes import Wrt
 from .spec import kept, merge
 from .tasks import combine
 
-__all__ = ["blocked_sum", "differentiated", "linear_zeros", "row_values", "site_value", "site_value_and_grads",
+__all__ = ["blocked_sum", "linear_zeros", "site_value", "site_value_and_grads",
            "symmetric_product", "tangent_of", "value_and_grads_of"]
 
 
@@ -151,79 +151,6 @@ class _Rules:
                               *zip(g[2], kept(ts, along.shared))])
         return dv, tuple(kept(ht, kept(wrt.traced, along.traced))), \
             tuple(kept(hs, kept(wrt.shared, along.shared)))
-
-
-def row_values(weighted, plain, ones, moving):
-    """Per-row values ``p = dq/dw`` at ``w = ones`` of ``weighted(moving, w) = sum_i w_i p_i``
-    (a ``reduce_sum`` site with the weights as a traced data leaf), with a derivative rule
-    whose reverse pass costs what a gradient of the sum costs. ``plain(moving)``: the same
-    values in plain JAX (``fn`` on every row at once), for second derivatives.
-
-    Plainly differentiated, a cotangent ``r`` of the rows would cost a Hessian-vector
-    product of the weighted site (``d/dtheta of dq/dw``) at every gradient. The rule splits
-    the rows' tangent ``J t`` instead into two parts, each with its own transpose:
-
-    * ``e_0 (G . t)``, where ``G`` is the gradient of the sum (``r_0 G`` in reverse, from
-      the same evaluation that gave the values);
-    * ``P (J t)``, ``P`` taking the sum of a vector out of its first entry, whose
-      transpose hands ``J`` the cotangent ``r - r_0``: exactly zero where ``r`` is
-      uniform (a plain sum, a scalar scale), and a product along zero is never evaluated
-      (the host route answers zeros without a chunk, the graph route skips it).
-
-    So a uniform cotangent costs one evaluation of the weighted site (values and ``G``);
-    per-row weights (``handlers.scale`` with an array) add one Hessian-vector product.
-    Every part is the site's own derivative rules, bitwise the same on every route.
-
-    Where the rule's own inputs are differentiated further (second derivatives: a
-    Hessian, a Laplace approximation), the tangent is ``plain``'s instead: JAX freezes
-    what a custom transpose closes over, so the second part's own derivative would be
-    lost under per-row weights; ``plain``'s derivatives are JAX's, of every order.
-    ``moving``: the traced leaves ``weighted`` differentiates; integer ones have no
-    tangent."""
-
-    def values(xs):
-        return jax.grad(lambda w: weighted(xs, w))(ones)
-
-    rows = jax.custom_jvp(values)
-
-    def rule(primals, tangents):
-        (xs,), (ts,) = primals, tangents
-        flags = tuple(_is_float(x) and not isinstance(t, SymbolicZero) for x, t in zip(xs, ts))
-
-        def weighted_sub(w, sub):
-            return weighted(merge(xs, sub, flags), w)
-
-        sub, tsub = tuple(kept(xs, flags)), tuple(kept(ts, flags))
-        if differentiated(sub):
-            p = values(xs)
-            return p, jax.jvp(lambda s: plain(merge(xs, s, flags)), (sub,), (tsub,))[1]
-        (p, g), (y, _) = jax.jvp(lambda s: jax.grad(weighted_sub, argnums=(0, 1))(ones, s),
-                                 (sub,), (tsub,))
-        flat = jnp.ravel(y)
-        along = _dotted(flat[0], list(zip(g, tsub)))
-        return p, flat.at[0].add(along - jnp.sum(flat)).reshape(jnp.shape(y))
-
-    rows.defjvp(rule, symbolic_zeros=True)
-    return rows(tuple(moving))
-
-
-def differentiated(xs) -> bool:
-    """Whether an enclosing transformation differentiates ``xs`` (a forward-mode trace
-    holds one of them): found by a probe whose derivative rule JAX runs only then."""
-    seen = []
-
-    @jax.custom_jvp
-    def probe(x):
-        return x
-
-    @probe.defjvp
-    def probe_jvp(primals, tangents):
-        seen.append(True)
-        return primals[0], tangents[0]
-
-    for x in xs:
-        probe(x)
-    return bool(seen)
 
 
 def _combined(values, shared_grads, data_grads):

@@ -52,7 +52,7 @@ from .executors.base import Executor, site_stats
 from .executors.registry import resolve_executor
 from .guards import fence, gather, hide, hide_bounds
 from .internals import is_tracer
-from .reduce import reduce_rows
+from .reduce import RowSum, reduce_rows
 from .routes import GRAPH, HOST, Choice, Slots, carried, choose
 from .site import SiteState
 from .spec import Program, SiteSpec, run_eagerly
@@ -80,6 +80,7 @@ __all__ = [
     "InFlightLimit",
     "Program",
     "Resident",
+    "RowSum",
     "SiteSpec",
     "SiteState",
     "Slots",

@@ -102,6 +102,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     (``state.host``), so an evaluation reads them without calling into the site.
     """
     executor.check_open()
+    args = (traced, shared)  # as they crossed the callback
     parts = state.host or state.prepare_host()
     program, resident = parts
     plan = program.spec.plan
@@ -115,8 +116,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     evaluation = Evaluation(blocked, tuple(np.asarray(s) for s in shared), tuple(diff_traced),
                             tuple(diff_shared), in_axes)
     if evaluation.order == 2 and not any(np.any(x) for x in _tangents(evaluation)):
-        # A product along zero: zeros, without running a chunk (a derivative rule asks for
-        # it where a cotangent is uniform: see derivatives.row_values).
+        # A product along zero: zeros, without running a chunk.
         count, results = False, []
     else:
         chunks = (state.chunker.chunks() if grainsize is None
@@ -134,10 +134,6 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
         for r in results:
             state.chunker.record(r.chunk.count, r.seconds, overhead)
     k = math.prod(batch_shape) if batch_shape else 1
-    if count:
-        executor.count(host_calls=1, calls=1, chunks=len(results), rows=plan.n_rows * k,
-                       seconds_in_workers=busy,
-                       bytes_sent=executor.bytes_per_call(traced, shared, len(results)))
     axes_s = in_axes[1] if in_axes is not None else (None,) * len(shared)
     # Shapes of the leaves, not of the tangents after them: zip stops at the flags.
     shapes_t = [(_unbatched_shape(t, a)[1:], np.asarray(t).dtype)
@@ -146,6 +142,11 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
                 for s, a, d in zip(shared, axes_s, diff_shared) if d]
     flat_batch = (k,) if in_axes is not None else ()
     out = assemble(program, results, flat_batch, shapes_t, shapes_s)
+    if count:
+        executor.count(host_calls=1, calls=1, chunks=len(results), rows=plan.n_rows * k,
+                       seconds_in_workers=busy,
+                       bytes_sent=executor.bytes_per_call(*args, len(results)),
+                       bytes_received=executor.bytes_per_result(*out))
     return _restore_batch(out, flat_batch, batch_shape)
 
 

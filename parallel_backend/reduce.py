@@ -23,7 +23,7 @@ from .blocks import (
     plan_blocks,
     row_bytes,
 )
-from .derivatives import blocked_sum, row_values, site_value
+from .derivatives import blocked_sum, site_value
 from .errors import check_count
 from .executors.registry import resolve_executor
 from .identity import digest, site_key, snapshot
@@ -32,7 +32,7 @@ from .routes import current_slot, route_of
 from .site import SiteState
 from .spec import make_spec
 
-__all__ = ["Weighted", "reduce_rows", "reduce_sum"]
+__all__ = ["RowSum", "Weighted", "reduce_rows", "reduce_sum"]
 
 
 def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None):
@@ -144,16 +144,26 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     return site_value(route, functools.partial(blocked_sum, state.spec, resident))(*args)
 
 
-def reduce_rows(fn, data, *shared, executor=None, grainsize=None, block_rows=None):
+def reduce_rows(fn, data, *shared, executor=None, grainsize=None, block_rows=None,
+                summed: bool = True):
     """``fn(data, *shared)``, the log-density of each row, evaluated as :func:`reduce_sum`
-    evaluates (in blocks, on the executor, bitwise the same on every route), with
-    derivatives that cost what ``reduce_sum``'s do where the rows are summed with equal
-    weights (:func:`.derivatives.row_values`).
+    evaluates (in blocks, on the executor, bitwise the same on every route).
 
-    ``fn`` returns an array whose leading axis is the rows, ``(rows, *rest)``. It is
-    evaluated through the site ``sum_i w_i fn(data, *shared)_i`` (:class:`Weighted`), the
-    per-row weights ``w`` a traced data leaf: the rows' values are its gradient in ``w``
-    at ``w = 1``. What an observed ``pb.observe`` site returns from ``log_prob``.
+    ``fn`` returns an array whose leading axis is the rows, ``(rows, *rest)``. What the
+    call gives depends on whether it is differentiated and on ``summed``:
+
+    * not differentiated (``numpyro.infer.log_likelihood``, a value alone): each row's
+      value, through the site ``sum_i w_i fn(data, *shared)_i`` (:class:`Weighted`),
+      whose gradient in the weights ``w`` at ``w = 1`` is the rows' values;
+    * differentiated, ``summed=True`` (the default: a caller that sums the rows with one
+      weight, as NumPyro's ``log_density`` does): the rows' sum in the first entry and
+      zeros in the others, with the sum's derivatives of every order. So a gradient is
+      one ``reduce_sum`` of ``fn``'s rows (:class:`RowSum`): parameters out, partials back,
+      nothing per row;
+    * differentiated, ``summed=False`` (a caller that weighs the rows one by one or reads
+      them: per-row ``handlers.scale``, an estimator's proxy): the rows' values with
+      their own derivatives (those of the weighted site, which cost a Hessian-vector
+      product per gradient).
 
     Examples
     --------
@@ -175,26 +185,75 @@ def reduce_rows(fn, data, *shared, executor=None, grainsize=None, block_rows=Non
     if not out.shape or out.shape[0] != n:
         raise ValueError(f"reduce_rows: fn must return the rows' values, an array of leading "
                          f"size {n} (the rows of data); got shape {out.shape}")
-    flat, tree = jax.tree.flatten((data, shared))
-    moving = [i for i, x in enumerate(flat) if is_tracer(x)]
+    site = _Rows(fn, data, shared, resolve_executor(executor), grainsize, block_rows,
+                 out.shape, out.dtype)
+    if summed:
+        return site.summed(site.moving_leaves)
+    return site.values(site.moving_leaves)
 
-    def rebuilt(xs):
-        leaves = list(flat)
-        for i, x in zip(moving, xs):
+
+class _Rows:
+    """The two sites of :func:`reduce_rows` over the same rows: ``total(moving)`` (the
+    rows summed) and ``values(moving)`` (the rows' values), functions of the traced
+    leaves only. Nothing here holds a tracer: the concrete leaves stay, the traced ones
+    are arguments (a rule that held a traced value would fail once its trace ended, as
+    under ``grad(jit(f))``)."""
+
+    def __init__(self, fn, data, shared, executor, grainsize, block_rows, shape, dtype):
+        flat, self.tree = jax.tree.flatten((data, shared))
+        self.moving = tuple(i for i, x in enumerate(flat) if is_tracer(x))
+        self.moving_leaves = tuple(flat[i] for i in self.moving)
+        self.fixed = tuple(None if i in self.moving else x for i, x in enumerate(flat))
+        self.fn, self.executor = fn, executor
+        self.grainsize, self.block_rows = grainsize, block_rows
+        self.shape, self.dtype = tuple(shape), dtype
+        self.summed = jax.custom_jvp(self.values)
+        self.summed.defjvp(self.summed_jvp)
+
+    def rebuilt(self, moving):
+        leaves = list(self.fixed)
+        for i, x in zip(self.moving, moving):
             leaves[i] = x
-        return jax.tree.unflatten(tree, leaves)
+        return jax.tree.unflatten(self.tree, leaves)
 
-    def weighted(xs, w):
-        d, s = rebuilt(xs)
-        return reduce_sum(Weighted(fn), (d, w), *s, executor=executor, grainsize=grainsize,
-                          block_rows=block_rows)
+    def total(self, moving):
+        data, shared = self.rebuilt(moving)
+        return reduce_sum(RowSum(self.fn), data, *shared, executor=self.executor,
+                          grainsize=self.grainsize, block_rows=self.block_rows)
 
-    def plain(xs):
-        d, s = rebuilt(xs)
-        return fn(d, *s)
+    def values(self, moving):
+        data, shared = self.rebuilt(moving)
 
-    return row_values(weighted, plain, jnp.ones(out.shape, out.dtype),
-                      [flat[i] for i in moving])
+        def weighted(w):
+            return reduce_sum(Weighted(self.fn), (data, w), *shared, executor=self.executor,
+                              grainsize=self.grainsize, block_rows=self.block_rows)
+
+        return jax.grad(weighted)(jnp.ones(self.shape, self.dtype))
+
+    def summed_jvp(self, primals, tangents):
+        value, tangent = jax.jvp(self.total, primals, tangents)
+        return self.first(value), self.first(tangent)
+
+    def first(self, x):
+        """``x`` (a scalar) in the first entry of an array of the rows' shape, zeros in
+        the others (a pad: linear in ``x``, so JAX transposes it to the first entry of a
+        cotangent)."""
+        x = jnp.asarray(x, self.dtype)
+        return jnp.pad(x.reshape((1,) * len(self.shape)), [(0, k - 1) for k in self.shape])
+
+
+class RowSum:
+    """``fn(data, *shared)`` summed over the axes after the rows: one value per row, the
+    site through which :func:`reduce_rows` sums the rows. Keyed, as any callable object,
+    by its class and ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, data, *shared):
+        terms = self.fn(data, *shared)
+        return terms.reshape(terms.shape[:1] + (-1,)).sum(axis=1) if terms.ndim > 1 else terms
 
 
 class Weighted:

@@ -225,7 +225,8 @@ class GraphRoute(Route):
                             products, lambda: jax.tree.map(
                                 lambda x: jnp.zeros(x.shape, x.dtype), shapes))
 
-        return tangent_batching(evaluate)((*traced, *tangents[0]), (*shared, *tangents[1]))
+        return self.count(tangent_batching(evaluate)((*traced, *tangents[0]),
+                                                     (*shared, *tangents[1])))
 
 
 class HostRoute(Route):

@@ -4,7 +4,8 @@ This module owns :class:`Executor`, a resource-owning context manager that
 evaluates chunk tasks and counts what it did. Subclasses (serial and thread here;
 dask and device as plugins) override :meth:`Executor.run_tasks` and, where they
 need to, :attr:`Executor.workers`, :meth:`Executor.graph_partials`,
-:meth:`Executor.bytes_per_call` and :meth:`Executor.release`. The host path
+:meth:`Executor.bytes_per_call`, :meth:`Executor.bytes_per_result` and
+:meth:`Executor.release`. The host path
 itself lives in :mod:`parallel_backend.host`, the graph/host decision in
 :mod:`parallel_backend.routes`. Imports the core only.
 """
@@ -63,7 +64,7 @@ class Executor:
         self._runner = None  # the thread pool of run_tasks (task_pool)
         self._created = time.time()
         self._counts = {"calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
-                        "seconds_in_workers": 0.0, "bytes_sent": 0}
+                        "seconds_in_workers": 0.0, "bytes_sent": 0, "bytes_received": 0}
 
     # -- hooks subclasses override ----------------------------------------------------
 
@@ -133,9 +134,18 @@ class Executor:
         return [func(item) for item in items]
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
-        """Parameter bytes handed to tasks in one evaluation (an executor that sends
-        messages counts what it sent instead, with :meth:`count`)."""
-        return sum(np.asarray(x).nbytes for x in (*traced, *shared)) * n_tasks
+        """Bytes one evaluation hands the executor: what crosses the host callback into
+        it, the parameters once (tasks on this process's threads read the same arrays).
+        An executor that sends messages counts what it sent instead, with :meth:`count`,
+        and returns 0."""
+        return sum(np.asarray(x).nbytes for x in (*traced, *shared))
+
+    def bytes_per_result(self, values, shared_grads, data_grads) -> int:
+        """Bytes one evaluation hands back: the per-block partials (and per-row gradients
+        of traced data leaves) that cross the host callback out of it. An executor that
+        receives messages counts what it received instead, with :meth:`count`, and
+        returns 0."""
+        return sum(np.asarray(x).nbytes for x in (values, *shared_grads, *data_grads))
 
     def release(self) -> None:
         """Release threads, processes and connections (called once, by :meth:`close`)."""
@@ -240,7 +250,9 @@ class Executor:
             ``reduce_sum``; a ``vmap`` batch is one call), ``graph_calls`` and
             ``host_calls`` (where they ran), ``chunks`` (tasks run), ``rows``
             (rows evaluated, times the batch size), ``seconds_in_workers``,
-            ``bytes_sent`` (parameter bytes handed to tasks), ``workers``,
+            ``bytes_sent`` and ``bytes_received`` (what crossed the host callback, or
+            the wire, into the executor and back: parameters out, partials back; data
+            sent to workers included), ``workers``,
             ``counting`` (``"all"`` when made with ``count_calls=True``; else
             ``"host, and the graph inside pb.sample"``: evaluations that ran inside
             the caller's program outside ``pb.sample`` are then not in ``calls``), and

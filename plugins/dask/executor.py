@@ -250,7 +250,10 @@ class DaskExecutor(Executor):
             raise cluster.scheduler_lost(self._live.scheduler_address, e) from e
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
-        return 0  # counted message by message in _call
+        return 0  # counted message by message in _send
+
+    def bytes_per_result(self, values, shared_grads, data_grads) -> int:
+        return 0  # counted message by message in _send
 
     def _retire(self, state) -> None:
         super()._retire(state)
@@ -405,8 +408,11 @@ class DaskExecutor(Executor):
             raise _WorkerGone(reply.detail)
 
     async def _send(self, addr, function: bytes, args: bytes):
+        """The worker's :class:`~.protocol.Reply`; the bytes both ways are counted."""
         self.count(bytes_sent=len(function) + len(args))
-        return await self._routes.send(addr, function, args)
+        raw = await self._routes.send(addr, function, args)
+        self.count(bytes_received=len(raw))
+        return cloudpickle.loads(raw)
 
     # -- one-off work --------------------------------------------------------------
 

@@ -205,8 +205,16 @@ def _gone(dask_worker, name) -> Reply:
 
 
 async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
-                   dask_worker=None) -> Reply:
-    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool.
+                   dask_worker=None) -> bytes:
+    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool: the
+    :class:`~.protocol.Reply`, pickled (the client counts the bytes it receives)."""
+    return cloudpickle.dumps(await _evaluate(name, token, data_token, tasks, shared,
+                                             diff_traced, diff_shared, in_axes, dask_worker))
+
+
+async def _evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
+                    dask_worker) -> Reply:
+    """:func:`evaluate`'s reply.
 
     Waited for with ``gather`` (on a thread beside the event loop): where the worker
     shares XLA's device with the caller (a cluster in the caller's process) and the
@@ -250,15 +258,16 @@ async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sha
     return Reply(OK, results=results)
 
 
-def install(name, token, spec, data_token, pieces, dask_worker=None) -> Reply:
-    """Keep a site (``spec``, cloudpickled, or ``None``) and data shards on this worker."""
+def install(name, token, spec, data_token, pieces, dask_worker=None) -> bytes:
+    """Keep a site (``spec``, cloudpickled, or ``None``) and data shards on this worker;
+    the :class:`~.protocol.Reply`, pickled."""
     state = _state(dask_worker, name)
     if state is None:
-        return _gone(dask_worker, name)
+        return cloudpickle.dumps(_gone(dask_worker, name))
     state.add(token, spec, data_token,
               [(shard, first, tuple(np.asarray(x) for x in arrays))
                for shard, first, arrays in pieces])
-    return Reply(OK)
+    return cloudpickle.dumps(Reply(OK))
 
 
 def release(name, tokens, data_tokens, dask_worker=None) -> Reply:

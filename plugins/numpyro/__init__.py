@@ -8,8 +8,8 @@ numpyro and the core's public names; never ArviZ or those plugins.
 
 from .factor import factor
 from .loglik import log_likelihood, pointwise_log_likelihood
-from .observe import observe, unobserved
+from .observe import observe, pointwise, unobserved
 from .profile import profile
 
-__all__ = ["factor", "log_likelihood", "observe", "pointwise_log_likelihood", "profile",
-           "unobserved"]
+__all__ = ["factor", "log_likelihood", "observe", "pointwise", "pointwise_log_likelihood",
+           "profile", "unobserved"]

@@ -20,35 +20,12 @@ import numpyro
 from numpyro.distributions import Distribution
 from numpyro.primitives import Messenger
 
-from parallel_backend.extend import reduce_rows
+from parallel_backend.extend import RowSum, reduce_rows
 
-from .replay import INFER_KEY, honour_plates, plates_fit
+from .internals import handler_stack
+from .replay import INFER_KEY, honour_plates, plates_fit, under_ecs_proxy
 
-__all__ = ["ObservedRows", "RowLogProb", "RowValues", "observe", "unobserved"]
-
-
-class RowLogProb:
-    """``fn(rows, *shared)`` of an observed site: per row, ``dist_fn(data_rows,
-    *shared).log_prob(obs_rows)`` summed over the batch dimensions after the rows, where
-    ``rows`` is ``(data, obs)`` (or ``(data, obs, mask)`` for a masked site)."""
-
-    def __init__(self, dist_fn, masked: bool = False):
-        self.dist_fn, self.masked = dist_fn, masked
-        self.__name__ = getattr(dist_fn, "__name__", type(dist_fn).__name__)
-
-    def __call__(self, rows, *shared):
-        data, obs = rows[0], rows[1]
-        lp = self.dist_fn(data, *shared).log_prob(obs)
-        if self.masked:
-            lp = jnp.where(rows[2], lp, jnp.zeros((), lp.dtype))
-        return lp.reshape(lp.shape[:1] + (-1,)).sum(axis=1) if lp.ndim > 1 else lp
-
-    def __eq__(self, other):
-        return (type(other) is RowLogProb and other.dist_fn is self.dist_fn
-                and other.masked == self.masked)
-
-    def __hash__(self):
-        return hash((RowLogProb, id(self.dist_fn), self.masked))
+__all__ = ["ObservedRows", "RowValues", "observe", "pointwise", "unobserved"]
 
 
 class RowValues:
@@ -81,18 +58,26 @@ class ObservedRows(Distribution):
     (subsampled or not) or over a later batch dim is the site's own. ``mask`` with a
     scalar or an array of flags that broadcasts to ``rows_batch``
     (``numpyro.handlers.mask``) masks rows inside the evaluation.
+
+    Where ``log_prob`` is differentiated and nothing asked for the rows one by one
+    (``per_row`` false: see :func:`rows_asked`), it gives the rows' sum in its first
+    entry and zeros in the others, with the sum's derivatives: what NumPyro's
+    ``log_density`` sums, at the cost of one ``reduce_sum`` (parameters out, partials
+    back). Not differentiated, it gives each row's value.
     """
 
     pytree_data_fields = ("data", "shared", "obs", "row_mask")
     pytree_aux_fields = ("dist_fn", "executor", "grainsize", "block_rows", "name",
-                         "rows_batch", "unhonoured")
+                         "rows_batch", "unhonoured", "per_row")
     pb_site = "observe"
+
     def __init__(self, name, dist_fn, data, shared, obs, executor=None, grainsize=None,
-                 block_rows=None, row_mask=None, rows_batch=None, unhonoured=None):
+                 block_rows=None, row_mask=None, rows_batch=None, unhonoured=None,
+                 per_row=False):
         self.name, self.dist_fn, self.data, self.shared, self.obs = (
             name, dist_fn, data, tuple(shared), obs)
         self.executor, self.grainsize, self.block_rows = executor, grainsize, block_rows
-        self.row_mask = row_mask
+        self.row_mask, self.per_row = row_mask, bool(per_row)
         if rows_batch is None:
             rows_batch = _batch_shape(dist_fn, data, self.shared)
         self.rows_batch, self.unhonoured = tuple(rows_batch), unhonoured
@@ -102,7 +87,7 @@ class ObservedRows(Distribution):
     def _replace(self, **changes):
         fields = {k: getattr(self, k) for k in (
             "name", "dist_fn", "data", "shared", "obs", "executor", "grainsize", "block_rows",
-            "row_mask", "rows_batch", "unhonoured")}
+            "row_mask", "rows_batch", "unhonoured", "per_row")}
         return ObservedRows(**(fields | changes))
 
     @property
@@ -122,7 +107,7 @@ class ObservedRows(Distribution):
         """The ``reduce_sum`` inputs of the site (as :func:`.replay.site_inputs` gives)."""
         rows = (self.data, self.obs) if self.row_mask is None else (
             self.data, self.obs, self.row_mask)
-        return {"fn": RowLogProb(self.dist_fn, self.row_mask is not None), "data": rows,
+        return {"fn": RowSum(RowValues(self.dist_fn, self.row_mask is not None)), "data": rows,
                 "shared": self.shared, "executor": self.executor, "grainsize": self.grainsize,
                 "block_rows": self.block_rows, "kind": "observe"}
 
@@ -144,7 +129,7 @@ class ObservedRows(Distribution):
             self.data, self.obs, self.row_mask)
         return reduce_rows(RowValues(self.dist_fn, self.row_mask is not None), rows,
                            *self.shared, executor=self.executor, grainsize=self.grainsize,
-                           block_rows=self.block_rows)
+                           block_rows=self.block_rows, summed=not self.per_row)
 
     def pointwise(self, value):
         """``dist_fn(data, *shared).log_prob(value)`` with masked rows at zero: the plain
@@ -261,7 +246,7 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
                         f"(discrete) but dist_fn returns a continuous distribution; pass float "
                         f"observations, or a discrete distribution")
     site = ObservedRows(name, dist_fn, data, shared, obs, executor, grainsize, block_rows,
-                        rows_batch=batch)
+                        rows_batch=batch, per_row=rows_asked(name))
     with honour_plates(name, "observe", batch, f"the rows of data first; obs shape {shape}"):
         return numpyro.sample(name, site, obs=obs, infer={INFER_KEY: True})
 
@@ -306,6 +291,54 @@ def _probe(name, dist_fn, data, shared):
 
 def _batch_shape(dist_fn, data, shared) -> tuple:
     return _probe("", dist_fn, data, shared)[0]
+
+
+def rows_asked(name: str) -> bool:
+    """Whether a handler around site ``name`` reads its rows one by one where its
+    log-density is differentiated, so that ``log_prob`` must give each row's own value
+    and derivatives (:class:`ObservedRows`): :class:`pointwise`, ``handlers.scale`` with
+    one weight per row, or HMCECS's likelihood estimator with a proxy. A handler that
+    sets a per-row scale otherwise is caught after the fact (:class:`.replay.honour_plates`
+    raises an error that names :class:`pointwise`)."""
+    for h in handler_stack():
+        if isinstance(h, pointwise) and h.asks(name):
+            return True
+        if isinstance(h, numpyro.handlers.scale) and jnp.size(h.scale) != 1:
+            return True
+    return under_ecs_proxy()
+
+
+class pointwise(Messenger):
+    """A handler under which ``pb.observe`` sites give each row's own log-density and its
+    own derivatives, also where the log-density is differentiated: for code that reads a
+    site's rows one by one inside a gradient (``TraceGraph_ELBO`` with a guide site in
+    the rows' plate that is not reparameterized, a ``jax.grad`` of
+    ``numpyro.infer.log_likelihood``). Elsewhere a differentiated ``pb.observe`` site
+    gives its rows' sum (see :class:`ObservedRows`), which is all NumPyro's
+    ``log_density`` reads; per-row ``handlers.scale`` weights and HMCECS's proxy are
+    recognised without it. ``names`` limits it to those sites. A gradient then costs a
+    Hessian-vector product more, and the rows' values travel from the executor.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import parallel_backend as pb
+    >>> x = jnp.linspace(-1.0, 1.0, 4)
+    >>> def model(b):
+    ...     pb.observe("y", lambda x, b: dist.Normal(b * x, 1.0), x, b, obs=0.5 * x)
+    >>> def second_row(b):  # its derivative in b is 0.5 * x[1] ** 2
+    ...     tr = numpyro.handlers.trace(pb.pointwise(model)).get_trace(b)
+    ...     return tr["y"]["fn"].log_prob(tr["y"]["value"])[1]
+    >>> round(float(jax.grad(second_row)(0.0)), 6)
+    0.055556
+    """
+
+    def __init__(self, fn=None, names=None):
+        self.names = None if names is None else set(names)
+        super().__init__(fn)
+
+    def asks(self, name: str) -> bool:
+        return self.names is None or name in self.names
 
 
 class unobserved(Messenger):

@@ -30,7 +30,8 @@ import parallel_backend as pb
 from .internals import handler_stack
 
 __all__ = ["HMC_EXTRA_FIELDS", "INFER_KEY", "FactorUnit", "factor_sites", "honour_plates",
-           "plates_fit", "quietly", "site_distribution", "site_inputs", "trace_model"]
+           "plates_fit", "quietly", "site_distribution", "site_inputs", "trace_model",
+           "under_ecs_proxy"]
 
 #: Key of a factor site's ``infer`` dict that marks it as a ``pb.factor`` site (a flag).
 INFER_KEY = "parallel_backend"
@@ -84,7 +85,7 @@ def plates_fit(shape, batch) -> bool:
     return all(s in (1, b) for s, b in zip(inner, batch[len(batch) - len(inner):]))
 
 
-def _under_ecs_proxy() -> bool:
+def under_ecs_proxy() -> bool:
     """Whether the model runs under HMCECS's likelihood estimator with a proxy, which
     reads each subsampled site's log-density row by row."""
     from numpyro.infer.hmc_gibbs import estimate_likelihood
@@ -128,13 +129,21 @@ class honour_plates(Messenger):
     def postprocess_message(self, msg):
         if msg["type"] != "sample" or msg["name"] != self.name:
             return
-        if self.kind == "factor" and msg.get("is_observed") and _under_ecs_proxy():
+        if self.kind == "factor" and msg.get("is_observed") and under_ecs_proxy():
             raise ValueError(
                 f"pb.{self.kind} site {self.name!r}: HMCECS with a proxy (taylor_proxy) "
                 f"needs the site's log-density per row, and a pb.{self.kind} site gives one "
                 f"parallel sum; use HMCECS without proxy= (its subsampled likelihood works "
                 f"with pb.{self.kind}), or numpyro.sample for this site")
         scale = msg.get("scale")
+        site = site_distribution(msg["fn"])
+        if (self.kind == "observe" and scale is not None and jnp.size(scale) != 1
+                and site is not None and not site.per_row):
+            raise ValueError(
+                f"pb.observe site {self.name!r}: a scale of shape {jnp.shape(scale)} (one "
+                f"weight per row) reached the site from a handler that it does not know to "
+                f"weigh its rows one by one; wrap the model in pb.pointwise (or use "
+                f"numpyro.handlers.scale), so that its log_prob gives each row's derivatives")
         # An observe site's log_prob is per row, so NumPyro weights its rows itself.
         if self.kind == "factor" and msg.get("is_observed") and scale is not None and \
                 jnp.size(scale) != 1:

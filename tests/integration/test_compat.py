@@ -587,24 +587,6 @@ def test_log_density_equals_plain(model, executor, precision):
         assert_close_tree(got, want, rtol=rtol_of_precision())
 
 
-@pytest.mark.slow
-def test_forward_mode_derivatives_equal_plain(executor, x64):
-    """``jax.jvp``, ``jax.hessian`` and grad of grad of the log-density (what
-    ``AutoLaplaceApproximation`` and ``HMCECS``'s Taylor proxy take)."""
-    X, y = make_data()
-
-    def f(model, **kw):
-        return lambda b: log_density(model, (X, y), kw, params(b=b))[0]
-
-    b = params()["b"]
-    got, want = f(observed, executor=executor), f(plain)
-    tangent = jnp.ones_like(b)
-    assert_close_tree(jax.jvp(got, (b,), (tangent,)), jax.jvp(want, (b,), (tangent,)), 1e-10)
-    assert_close_tree(jax.hessian(got)(b), jax.hessian(want)(b), 1e-10)
-    gg = lambda f: jax.grad(lambda b: jax.grad(f)(b).sum())
-    assert_close_tree(gg(got)(b), gg(want)(b), 1e-10)
-
-
 # -- handlers ----------------------------------------------------------------------------------
 
 ROW_MASK = np.arange(N) % 3 != 0

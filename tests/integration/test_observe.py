@@ -122,7 +122,44 @@ def test_log_density_and_gradients_equal_plain(executor, x64):
                                           or executor.stats()["host_calls"] >= 2)
 
 
-def test_predictive_draws_equal_plain(executor, x64):
+def factor_rows(rows, b, a):
+    return bernoulli(rows[0], b, a).log_prob(rows[1])
+
+
+def traffic(kind, executor, n):
+    """Bytes sent and received per jitted gradient of the model with its likelihood as
+    ``kind`` over ``n`` rows, after the data went out (the first gradient)."""
+    X, y = data(n=n)
+
+    def model(X, y):
+        a = numpyro.sample("a", dist.Normal(0.0, 2.0))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        if kind == "observe":
+            pb.observe("y", bernoulli, X, b, a, obs=y, executor=executor, block_rows=2_000)
+        else:
+            pb.factor("y", factor_rows, (X, y), b, a, executor=executor, block_rows=2_000)
+
+    grad = jax.jit(jax.grad(lambda p: log_density(model, (X, y), {}, p)[0]))
+    jax.block_until_ready(grad(params()))
+    before = executor.stats()
+    for step in range(3):
+        jax.block_until_ready(grad({k: v + 0.01 * step for k, v in params().items()}))
+    after = executor.stats()
+    assert after["host_calls"] - before["host_calls"] == 3
+    return tuple((after[k] - before[k]) / 3 for k in ("bytes_sent", "bytes_received"))
+
+
+@pytest.mark.parametrize("executor", ["thread", "device", "dask"], indirect=True)
+@pytest.mark.parametrize("n", [4_000, 40_000])
+def test_a_gradient_sends_parameters_and_receives_partials_as_pb_factor(executor, x64, n):
+    """What a gradient costs on the wire (or across the host callback) after the data:
+    ``pb.observe``'s bytes both ways are ``pb.factor``'s on the same rows, parameters out
+    and per-block partials back, not a value per row (``SerialExecutor()`` keeps the site
+    in the caller's program: nothing crosses)."""
+    observe, factor = traffic("observe", executor, n), traffic("factor", executor, n)
+    assert observe == factor, (observe, factor)
+    sent, received = observe
+    assert 0 < sent < 2048 and 0 < received < 2048, observe  # 4 bytes a row: 16,000+
     X, _ = data()
     samples = {"a": jnp.linspace(-1, 1, 4), "b": jnp.ones((4, D)) * 0.2}
     key = jax.random.PRNGKey(3)

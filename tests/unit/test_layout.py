@@ -194,7 +194,7 @@ def test_plugins_export_what_users_call():
     import parallel_backend.plugins.sample as sample_plugin
 
     assert set(numpyro_plugin.__all__) == {"factor", "observe", "unobserved", "log_likelihood",
-                                           "pointwise_log_likelihood", "profile"}
+                                           "pointwise", "pointwise_log_likelihood", "profile"}
     assert set(arviz_plugin.__all__) == {"to_arviz", "save", "load", "HMC_EXTRA_FIELDS",
                                          "DATATREE"}
     assert set(sample_plugin.__all__) == {"sample", "CheckpointError", "ConversionError"}
