@@ -10,8 +10,9 @@ This module owns the three things read from that jaxpr:
   cache for one block at a time) or, on a machine where XLA has at most
   :data:`ROW_REDUCE_LOOP_THREADS` threads, where ``fn`` reduces within each row over a few
   values (a mixture's ``logsumexp``, kept off YNNPACK); how a batch of parameter sets is
-  evaluated (:func:`sets_form`); whether ``fn`` runs kernels that block XLA's CPU pool
-  (:func:`blocks_pool`) and which data it reads only as positions (:func:`index_leaves`);
+  evaluated (:func:`sets_form`); how many rows ``fn`` may take at once so that its
+  LAPACK kernels run in place (:func:`lapack_rows`) and which data it reads only as
+  positions (:func:`index_leaves`);
 * **the hoisted split** (:func:`split_known`): plain NumPyro closes over concrete data, so
   XLA folds every data-only subexpression (``gammaln(y + 1)``) into a constant at compile
   time. A block cannot let XLA do that (the host route passes the data at run time, and
@@ -58,9 +59,10 @@ from .internals import (
     jaxprs_in_params,
 )
 
-__all__ = ["CHEAP", "FORMS", "HOST_CODE", "MAX_RESIDUAL_RATIO", "POOL_BLOCKING", "Split",
-           "blocks_pool", "computes", "conditions", "constant_conditions", "detect_form",
-           "form_of", "index_leaves", "known_function", "part", "row_reduce_cap",
+__all__ = ["CHEAP", "FORMS", "HOST_CODE", "LAPACK_POOL_WORK", "MAX_RESIDUAL_RATIO",
+           "POOL_BLOCKING", "Split", "computes", "conditions",
+           "constant_conditions", "detect_form", "form_of", "index_leaves", "known_function",
+           "lapack_rows", "part", "row_reduce_cap",
            "row_reduce_elements", "scan_reduce_per_row", "sets_form", "split_known",
            "unknown_function"]
 
@@ -70,13 +72,10 @@ __all__ = ["CHEAP", "FORMS", "HOST_CODE", "MAX_RESIDUAL_RATIO", "POOL_BLOCKING",
 FORMS = ("batched", "looped")
 #: Primitives that make ``fn`` run best one block at a time (see the module docstring).
 LOOPS = frozenset({SCAN})
-#: Primitives that XLA:CPU runs as jaxlib LAPACK kernels which, on a batch of
-#: matrices, hand parts of it to XLA's intra-op thread pool and *block* the pool
-#: thread they run on until those parts are done. As many such programs at once as
-#: the pool has threads then wait for each other forever (measured: two chunk
-#: programs with a batched ``solve_triangular`` on a 2-thread pool), so the host path
-#: runs fewer of them at a time (see :mod:`.host`). Foreign functions (``ffi_call``)
-#: may do the same and count too.
+#: Primitives that run as foreign kernels (jaxlib's LAPACK, a user's ``ffi_call``), which
+#: may split their work over XLA's CPU pool themselves: a site that calls one is never
+#: looped for a reduction within its rows (:func:`form_of`; see :data:`LAPACK_POOL_WORK`
+#: for the LAPACK kernels of jaxlib 0.10).
 POOL_BLOCKING = LAPACK | {"ffi_call", "custom_call"}
 #: Reductions that XLA:CPU may hand to YNNPACK (see :data:`.blocks.YNN_REDUCE`).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
@@ -246,11 +245,89 @@ def sets_form(closed, rows: int, form: str) -> str:
     return "each" if wide else "inside"
 
 
-def blocks_pool(closed) -> bool:
-    """Whether ``fn``'s jaxpr runs a kernel that blocks a thread of XLA's CPU pool
-    (see :data:`POOL_BLOCKING`)."""
-    return _uses(closed.jaxpr, POOL_BLOCKING)
+#: jaxlib before 0.11 runs a LAPACK kernel (Cholesky, triangular solve, LU, QR, eigh,
+#: SVD...) on a batch of matrices as pieces on XLA's CPU thread pool, and the thread
+#: that runs the kernel waits for them: where kernels run at once on every thread of
+#: the pool, each waits for pieces that no thread is left to run, forever. It keeps a
+#: batch whose work (jaxlib's estimate, in flops) is under this many in place, on the
+#: thread that runs the kernel, and a batch of one matrix always; 0: kernels never wait
+#: (jaxlib 0.11 builds run every batch in place).
+LAPACK_POOL_WORK = 200_000 if jax.__version_info__ < (0, 11) else 0
 
+
+def _lapack_work(eqn) -> tuple[int, int]:
+    """``(matrices, flops per matrix)`` of a LAPACK equation: its batch and jaxlib 0.10's
+    estimate of one matrix's work (``jaxlib/cpu/lapack_kernels.cc``), the largest of the
+    kernels it lowers to (``qr``: a factorization and the product of its reflectors)."""
+    name = eqn.primitive.name
+    solve = name in ("triangular_solve", "tridiagonal_solve")
+    shape = tuple(eqn.invars[-1 if solve else 0].aval.shape)  # a solve's right-hand side
+    m, n = (shape[-2:] if len(shape) >= 2 else (shape[-1], 1))
+    low, high = min(m, n), max(m, n)
+    if name == "triangular_solve":
+        flops = m * n * (m if eqn.params.get("left_side", True) else n)
+    elif name == "cholesky":
+        flops = n ** 3 // 3
+    elif name == "lu":
+        flops = m * n * low
+    elif name in ("qr", "geqrf", "geqp3", "householder_product"):
+        flops = 4 * m * n * low
+    elif name == "eigh":
+        flops = (4 if jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.complexfloating) else 5) * n ** 3
+    elif name == "svd":
+        flops = 10 * m * n * low
+    else:  # eig, schur, hessenberg, tridiagonal...: the most any kernel estimates
+        flops = 10 * high ** 3
+    if jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.complexfloating):
+        flops *= 3
+    return math.prod(shape[:-2]), max(int(flops), 1)
+
+
+def _lapack_kernels(jaxpr) -> list:
+    """``(matrices, flops per matrix)`` of every LAPACK equation of ``jaxpr``, at any
+    depth, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in LAPACK:
+            found.append(_lapack_work(eqn))
+        for sub in jaxprs_in_params(eqn.params):
+            found.extend(_lapack_kernels(sub))
+    return found
+
+
+def lapack_rows(closed, trace, rows: int) -> int:
+    """The most rows a block program may hand ``fn`` at once so that each of its LAPACK
+    kernels runs in place (a batch under :data:`LAPACK_POOL_WORK`), or 0 where nothing
+    needs a limit (no LAPACK, or a jaxlib whose kernels never wait).
+
+    ``closed`` is ``fn`` traced on ``rows`` rows (without a LAPACK kernel there, none is
+    looked for in its derivatives); ``trace(n)`` gives the block's programs (value,
+    gradient, Hessian-vector product) as jaxprs on ``n`` rows. Each kernel's batch, read at two row counts (one and two,
+    or ``rows`` and twice that where ``fn`` takes only some sizes), is a part per row and
+    a part that does not grow with the rows; a kernel of the second kind cannot be kept
+    in place by fewer rows and is left as it is."""
+    if not LAPACK_POOL_WORK or not _uses(closed.jaxpr, LAPACK):
+        return 0
+    for sizes in ((1, 2), (rows, 2 * rows)):
+        try:
+            seen = [[k for closed in trace(n) for k in _lapack_kernels(closed.jaxpr)]
+                    for n in sizes]
+        except Exception:  # noqa: BLE001, S112 - fn may accept only some sizes: try others
+            continue
+        if len(seen[0]) == len(seen[1]):
+            break
+    else:
+        return 0
+    (r1, r2), most = sizes, None
+    for (b1, flops), (b2, _) in zip(*seen):
+        per_row = (b2 - b1) // (r2 - r1)
+        if per_row <= 0:
+            continue
+        fixed = b1 - per_row * r1
+        room = max(1, (LAPACK_POOL_WORK - 1) // flops)
+        limit = max(1, (room - fixed) // per_row)
+        most = limit if most is None else min(most, limit)
+    return most or 0
 
 #: Primitives whose integer or boolean results are exact functions of their operands:
 #: an index computed from index data (``g + n`` where ``g < 0``...) is still index data.

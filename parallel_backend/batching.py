@@ -37,7 +37,7 @@ from .blocks import block_axis
 from .internals import custom_vmap, is_tracer
 
 __all__ = ["SETS_AT_ONCE", "Again", "each_set", "map_sets", "nest_sets", "over_blocks",
-           "site_batching", "tangent_batching", "unblock"]
+           "set_by_set", "site_batching", "tangent_batching", "unblock"]
 
 #: Sets one at a time run this many to a loop step, unrolled (see :func:`map_sets`).
 SETS_AT_ONCE = 4
@@ -93,6 +93,25 @@ def each_set(one, in_axes, split: bool = False):
         return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
 
     return run
+
+
+def set_by_set(f, set_axes):
+    """``g(traced, shared)``: what ``jax.vmap(f, in_axes=set_axes)`` gives, each parameter
+    set evaluated by ``f`` alone (:func:`map_sets`), the leaves ``set_axes`` maps taken
+    per set."""
+
+    def g(traced, shared):
+        axes = (*set_axes[0], *set_axes[1])
+        leaves = (*traced, *shared)
+
+        def member(mapped):
+            it = iter(mapped)
+            mine = [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
+            return f(tuple(mine[:len(traced)]), tuple(mine[len(traced):]))
+
+        return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
+
+    return g
 
 
 def map_sets(f, xs):

@@ -16,7 +16,7 @@ what XLA does without it, per JAX version: a test fails, naming the guard, when 
 is removed, and when XLA stops (or starts) doing what it answers. :func:`disabled` turns
 guards off for those tests; nothing else may use it.
 
-Imports jax, numpy, :mod:`.blocks` (the pool's size), :mod:`.errors` and :mod:`.internals`.
+Imports jax, numpy, :mod:`.errors` and :mod:`.internals`.
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .blocks import xla_threads
 from .errors import InFlightLimit
 from .internals import custom_vmap
 
 __all__ = [
     "GUARDS",
-    "POOL_SLOTS",
-    "after",
     "disabled",
     "enabled",
     "fence",
@@ -45,7 +42,6 @@ __all__ = [
     "hide_bounds",
     "one_program",
     "pin",
-    "pool_gate",
 ]
 
 #: Each guard and the behaviour of XLA it answers.
@@ -70,13 +66,6 @@ GUARDS = {
                    "knows the trip count, and removes a loop of one block; jax 0.10 and "
                    "0.12) unlike the host chunk program, whose bounds are arguments; no bit "
                    "was seen to change by it",
-    "after": "two batched LAPACK kernels (Cholesky, triangular solve) running at once in "
-             "one program each hand work to XLA's CPU pool and block their pool thread "
-             "until it is done: on a pool of two threads they wait for each other forever "
-             "(jax 0.10; not seen on 0.12)",
-    "pool_gate": "the same LAPACK kernels in chunk programs on several threads: as many "
-                 "of them at once as XLA's CPU pool has threads wait for each other "
-                 "forever (jax 0.10; not seen on 0.12)",
     "stall_probe": "a host callback's chunk programs wait for a place among those XLA "
                    "keeps for programs in flight; where the caller queued operations on "
                    "the callback's result before it was ready, those places never free "
@@ -192,17 +181,6 @@ def hide_bounds(first: int, count: int):
     return lax.optimization_barrier((first, count))
 
 
-def after(done, run):
-    """``run()``, made to wait for ``done`` (an array the program computes first): guard
-    ``after``, where two LAPACK kernels must not run at once."""
-    if not enabled("after"):
-        return run()
-    flag = jnp.ravel(done)[-1]
-    # ``flag == flag`` on purpose: a predicate XLA must compute first, true but for NaN,
-    # where both branches are the same anyway.
-    return lax.cond(flag == flag, run, run)  # noqa: PLR0124
-
-
 def one_program(fn, **jit_options):
     """``jax.jit(fn)`` (guard ``one_program``): partials computed eagerly are finished in
     one compiled program, as they are inside the caller's."""
@@ -215,20 +193,6 @@ def one_program(fn, **jit_options):
 
 
 # -- guards of the host route's runtime ------------------------------------------------
-
-#: Chunk programs that may block a thread of XLA's CPU pool (batched LAPACK kernels) run
-#: at most this many at a time in this process, so one pool thread always stays free to
-#: do the work they wait for. Process-wide, as the pool is.
-POOL_SLOTS = max(1, xla_threads() - 1)
-_POOL_GATE = threading.BoundedSemaphore(POOL_SLOTS)
-
-
-def pool_gate(blocks_pool: bool):
-    """The context a chunk program runs in: guard ``pool_gate`` where it ``blocks_pool``."""
-    if blocks_pool and enabled("pool_gate"):
-        return _POOL_GATE
-    return contextlib.nullcontext()
-
 
 #: Seconds a host-route evaluation waits with no chunk finishing before it asks whether
 #: XLA's device can still start a program, and how long that question waits.

@@ -26,13 +26,13 @@ from jax import lax
 
 from .analysis import (
     Split,
-    blocks_pool,
     computes,
     conditions,
     constant_conditions,
     form_of,
     index_leaves,
     known_function,
+    lapack_rows,
     row_reduce_cap,
     row_reduce_elements,
     scan_reduce_per_row,
@@ -40,11 +40,12 @@ from .analysis import (
     split_known,
     unknown_function,
 )
-from .batching import each_set, over_blocks, unblock
+from .batching import each_set, over_blocks, set_by_set, unblock
 from .blocks import (
     MIN_BLOCK_ROWS,
     BlockPlan,
     TilePlan,
+    accelerator,
     balance_blocks,
     block_axis,
     looped_blocks,
@@ -54,7 +55,7 @@ from .blocks import (
     take_blocks,
 )
 from .errors import TracedElsewhere
-from .guards import after, fence, hide, hide_bounds, pool_gate
+from .guards import fence, hide, hide_bounds
 from .identity import owned
 from .internals import is_tracer, jaxpr_as_fun
 from .tasks import Partials, host_device, program_key
@@ -110,6 +111,10 @@ class SiteSpec(NamedTuple):
         Looped for a reduction within rows, not for a ``scan`` (:func:`.analysis.detect_form`).
     sets : {"inside", "each"}
         How a batch of parameter sets is evaluated (:func:`.analysis.sets_form`).
+    lapack_rows : int
+        The most rows ``fn`` is handed at once (:func:`.analysis.lapack_rows`: each of its
+        LAPACK kernels then runs in place), or 0 for no limit; a block of more rows
+        calls ``fn`` on runs of rows one after another (:meth:`block_fn`).
     """
 
     fn: Any
@@ -128,6 +133,7 @@ class SiteSpec(NamedTuple):
     computes: str = ""
     row_loop: bool = False
     sets: str = "inside"
+    lapack_rows: int = 0
 
     def block_struct(self):
         """Shapes of one block's resident leaves, traced leaves and shared leaves."""
@@ -143,7 +149,9 @@ class SiteSpec(NamedTuple):
         return resident, traced, shared
 
     def block_fn(self):
-        """``f(resident, traced, shared) -> (block_rows,)``: ``fn`` on one block's leaves."""
+        """``f(resident, traced, shared) -> (rows,)``: ``fn`` on one block's leaves (on
+        runs of at most :attr:`lapack_rows` rows, one after another, where that is set
+        and the block is larger: see :func:`runs_of_rows`)."""
         spec = self
 
         def f(resident, traced, shared):
@@ -153,7 +161,7 @@ class SiteSpec(NamedTuple):
             args = jax.tree_util.tree_unflatten(spec.shared_treedef, list(shared))
             return jnp.asarray(spec.fn(data, *args)).astype(spec.value_dtype)
 
-        return f
+        return runs_of_rows(f, self.lapack_rows) if self.lapack_rows else f
 
     def rows(self, first_block: int, count: int) -> tuple[int, int]:
         """Rows ``[start, stop)`` of blocks ``[first_block, first_block + count)``."""
@@ -176,10 +184,6 @@ class Program:
             if spec.computes and computes(closed) != spec.computes:
                 raise TracedElsewhere(spec.label)
         self.split: Split = split_known(closed, len(resident), len(traced), spec.constants)
-        #: Whether a chunk program may block a thread of XLA's CPU pool (LAPACK), and the
-        #: context its chunk programs run in (guard ``pool_gate``).
-        self.blocks_pool = blocks_pool(closed)
-        self.gate = pool_gate(self.blocks_pool)
         #: Per prepared leaf, whether ``fn`` reads it only as positions: the in-graph
         #: route shows those to XLA (see :func:`.analysis.index_leaves`); residuals never.
         self.positions = index_leaves(closed, self.split.raw) + (False,) * len(self.split.residuals)
@@ -216,10 +220,14 @@ class Program:
             raw = tuple(blocks[k] for k in self.split.raw)
             if not self.split.residuals:
                 return raw
-            try:
-                residuals = jax.jit(jax.vmap(self._known))(blocks)
-            except Exception:  # noqa: BLE001 - not batchable: one block at a time
-                residuals = jax.jit(lambda b: lax.map(self._known, b))(blocks)
+            one_by_one = jax.jit(lambda b: lax.map(self._known, b))
+            if self.spec.lapack_rows:  # a batch of blocks would batch their matrices
+                residuals = one_by_one(blocks)
+            else:
+                try:
+                    residuals = jax.jit(jax.vmap(self._known))(blocks)
+                except Exception:  # noqa: BLE001 - not batchable: one block at a time
+                    residuals = one_by_one(blocks)
             return raw + tuple(np.asarray(r) for r in residuals)
 
     # -- one block, and runs of blocks --------------------------------------------
@@ -290,10 +298,7 @@ class Program:
         if tail is None:
             return out
 
-        def last():  # after the others where fn holds LAPACK kernels: guard ``after``
-            return run(*tail, True)
-
-        last = after(out.values, last) if self.blocks_pool else last()
+        last = run(*tail, True)
         axis = 0 if set_axes is None else 1
         return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
 
@@ -438,8 +443,12 @@ class Program:
                     return self.looped(prepared, traced, shared, valid, first, count,
                                        plan.n_blocks, diff_traced, diff_shared, order)
 
-                out = one(traced, shared) if set_axes is None else jax.vmap(one, set_axes)(
-                    traced, shared)
+                if set_axes is None:
+                    out = one(traced, shared)
+                elif self.spec.lapack_rows:  # a batch would batch the kernels' matrices
+                    out = set_by_set(one, set_axes)(traced, shared)
+                else:
+                    out = jax.vmap(one, set_axes)(traced, shared)
             # ...and on the way out: the caller's use of the partials is not fused into them.
             out = fence(out)
             lead = 0 if set_axes is None else 1
@@ -471,9 +480,11 @@ class Program:
         key = program_key(blocks, diff_traced, diff_shared, in_axes, split, order)
         if key in self.cache:
             return self.cache[key]
-        if in_axes is not None and self.sets_each and order == 1:  # mapped over the sets
-            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last), in_axes,
-                           split)
+        # Mapped over the sets (and over a batch of tangents, where LAPACK kernels must not
+        # batch their matrices).
+        if in_axes is not None and self.sets_each and (order == 1 or self.spec.lapack_rows):
+            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last,
+                                         order), in_axes, split)
         elif split:
             def run(prepared, traced, shared, valid, tail):
                 return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
@@ -493,6 +504,55 @@ class Program:
         fn = jax.jit(run)
         with self._lock:
             return self.cache.setdefault(key, fn)
+
+
+def runs_of_rows(f, most: int):
+    """``f(resident, traced, shared)`` on runs of at most ``most`` rows one after another
+    (``lax.map``; runs of equal size, the largest that divides the rows), the rows'
+    values concatenated: each row's value as ``f`` gives it on all of them at once."""
+
+    def runs(resident, traced, shared):
+        rows = int(jnp.shape((*resident, *traced)[0])[0])
+        size = next(d for d in range(min(most, rows), 0, -1) if rows % d == 0)
+        if size == rows:
+            return f(resident, traced, shared)
+
+        def cut(xs):
+            return [jnp.reshape(x, (rows // size, size) + tuple(jnp.shape(x)[1:])) for x in xs]
+
+        out = lax.map(lambda rt: f(rt[0], rt[1], shared), (cut(resident), cut(traced)))
+        return jnp.reshape(out, (rows,))
+
+    return runs
+
+
+def block_programs(spec: SiteSpec):
+    """``programs(rows)``: the jaxprs of what a block program evaluates on ``rows`` rows:
+    ``fn``'s value, its gradient in every float leaf (traced and shared), and their
+    Hessian-vector product (for :func:`.analysis.lapack_rows`)."""
+
+    def programs(rows):
+        one = spec._replace(plan=BlockPlan(rows, rows, 1, 0))
+        resident, traced, shared = one.block_struct()
+        block = one.block_fn()
+        wants = (tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in traced),
+                 tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in shared))
+
+        def total(r, t, s):
+            return jnp.sum(block(r, t, s))
+
+        def grads(r, t, s, td, sd):
+            return jax.grad(lambda td, sd: total(r, merge(t, td, wants[0]),
+                                                 merge(s, sd, wants[1])), argnums=(0, 1))(td, sd)
+
+        def hvp(r, t, s, td, sd):
+            return jax.jvp(lambda td, sd: grads(r, t, s, td, sd), (td, sd), (td, sd))[1]
+
+        args = (resident, traced, shared, kept(traced, wants[0]), kept(shared, wants[1]))
+        return [jax.make_jaxpr(total)(*args[:3])] + [jax.make_jaxpr(g)(*args)
+                                                     for g in (grads, hvp)]
+
+    return programs
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,
@@ -521,17 +581,25 @@ def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, val
         form, row_loop = form_of(closed, rows, fixed=not balance)
         if form == "batched" and not _batchable(block, resident_s, traced_s, shared_s):
             form = "looped"
+        # LAPACK kernels that must run in place: blocks one at a time (a batch of blocks,
+        # or of parameter sets, would batch their matrices), of at most that many rows.
+        most = 0 if accelerator() else lapack_rows(closed, block_programs(draft), rows)
+        if most:
+            form, row_loop = "looped", False
         if balance and form == "looped":
             per_row = (row_reduce_elements(closed, rows) if row_loop
                        else scan_reduce_per_row(closed, rows, trace))
             plan = looped_blocks(plan.n_rows, np.dtype(value_dtype).itemsize, per_row)
+            if most and plan.block_rows > most:
+                plan = plan_blocks(plan.n_rows, most)
     if balance and form == "batched":  # smaller blocks where fn reduces within rows
         cap = row_reduce_cap(closed, rows)
         if cap and max(cap, MIN_BLOCK_ROWS) < plan.block_rows:
             plan = plan_blocks(plan.n_rows, max(cap, MIN_BLOCK_ROWS))
         plan = balance_blocks(plan)
     spec = draft._replace(plan=plan, form=form, tiles=plan_tiles(plan, batched=form == "batched"),
-                          row_loop=row_loop, sets=sets_form(closed, rows, form))
+                          row_loop=row_loop, sets=sets_form(closed, rows, form),
+                          lapack_rows=most)
     if resident is None:
         resident = [x for x, t in zip(leaves, traced) if not t]
     # fn on one block of the spec's plan, as every process traces it

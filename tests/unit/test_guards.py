@@ -8,7 +8,9 @@ What removing each guard did here (2 cores; jax 0.10.2 on Python 3.11, jax 0.12.
 
 * ``fence``: a descent's points part between the graph and the host route (both stacks);
 * ``hide``: data-only arithmetic folded at compile time rounds otherwise (both stacks);
-* ``after``, ``pool_gate``: LAPACK kernels wait for each other forever (jax 0.10 only);
+* the LAPACK row limit (:func:`.analysis.lapack_rows`, not a guard of ``guards.py``: a rule
+  of how a site is cut): without it batched LAPACK kernels wait for each other forever on
+  jax 0.10 (and the limit is 0 on 0.12, where they never did);
 * ``stall_probe``: the queued-operations case hangs instead of raising (both stacks);
 * ``pin``: a small loop of the caller's rounds apart on jax 0.12, where the fence (whose
   predicate holds the same product) is removed too; alone, no bit was seen to change;
@@ -48,9 +50,9 @@ _MINOR = tuple(int(v) for v in JAX.split(".")[:2])
 #: Where XLA:CPU's kernel of a small loop rounds a block unlike the host route (seen on
 #: jax 0.12, not 0.10).
 SMALL_LOOP_ROUNDS_APART = _MINOR >= (0, 12)
-#: Where two batched LAPACK kernels at once wait for each other forever on a pool of two
-#: threads (seen on jax 0.10 in every case tried; never on 0.12).
-LAPACK_BLOCKS_POOL = _MINOR < (0, 12)
+#: Where batched LAPACK kernels at once wait for each other forever on a pool of two
+#: threads (jaxlib 0.10; never on 0.12, whose kernels run their batch in place).
+LAPACK_BLOCKS_POOL = _MINOR < (0, 11)
 
 
 def differing(got, want) -> int:
@@ -405,36 +407,23 @@ LAPACK = _WATCH + textwrap.dedent("""
         faulthandler.cancel_dump_traceback_later()
 """)
 
-#: Guard ``after``, in the graph: 20,000 groups in blocks of 3,000, the padded last
-#: block of 2,000 evaluated beside the six others but for the guard.
-AFTER = LAPACK + textwrap.dedent("""
-    def graph(watch):
-        with pb.SerialExecutor() as ex:
-            f = jax.jit(lambda p: pb.reduce_sum(group_loglik, data, p, executor=ex,
-                                                block_rows=3_000))
-            evaluate(f.lower(np.float32(0)).compile(), 40, watch)
+#: The LAPACK row limit, on the graph and the host route: 20,000 groups in blocks of 3,000
+#: (a padded last block), the jitted gradient. Without the limit the gradient's batched
+#: solves run at once on both threads of XLA's pool and wait for each other (jax 0.10).
+LAPACK_ROWS = LAPACK + textwrap.dedent("""
+    from parallel_backend import analysis
 
-    graph(WATCH_ON)
+    def both(calls, watch):
+        for ex in (pb.SerialExecutor(), pb.ThreadExecutor(2, dispatch="host")):
+            with ex:
+                f = jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
+                    group_loglik, data, p, executor=ex, block_rows=3_000)))
+                evaluate(f.lower(np.float32(0)).compile(), calls, watch)
+
+    both(20, WATCH_ON)
     print("on ok", flush=True)
-    with guards.disabled("after"):
-        graph(WATCH_OFF)
-    print("off ok", flush=True)
-""")
-
-#: Guard ``pool_gate``, on the host route: 20,000 groups in 10 blocks of 2,000 (no padded
-#: block), two chunk programs at once on two threads but for the guard.
-POOL_GATE = LAPACK + textwrap.dedent("""
-    def host(calls, watch):  # a site's program takes its gate when it is made
-        with pb.ThreadExecutor(2, dispatch="host") as ex:
-            f = jax.jit(jax.value_and_grad(lambda p: pb.reduce_sum(
-                group_loglik, data, p, executor=ex, block_rows=2_000)))
-            evaluate(f, 1, WATCH_ON)  # compiles: not a hang however long it takes
-            evaluate(f, calls, watch)
-
-    host(20, WATCH_ON)
-    print("on ok", flush=True)
-    with guards.disabled("pool_gate"):
-        host(40, WATCH_OFF)
+    analysis.LAPACK_POOL_WORK = 0  # sites made from here on: no limit
+    both(20, WATCH_OFF)
     print("off ok", flush=True)
 """)
 
@@ -484,8 +473,7 @@ def deadlocks():
     env = dict(os.environ, NPROC="2", JAX_PLATFORMS="cpu")
     runs = {name: subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for name, script in (("after", AFTER), ("pool_gate", POOL_GATE),
-                                 ("stall_probe", STALL_PROBE))}
+            for name, script in (("lapack_rows", LAPACK_ROWS), ("stall_probe", STALL_PROBE))}
 
     def finish(name):
         run = runs[name]
@@ -519,23 +507,16 @@ def check_deadlock_guard(name: str, out: str, hung: bool, expected: bool, kernel
             f"other forever, as on jax 0.10\n{out}")
 
 
-def test_after_keeps_two_lapack_kernels_of_one_program_apart(deadlocks):
-    """In one program the padded last block's batched Cholesky waits for the other blocks'
-    (a conditional on their values): two at once each hand work to XLA's pool of two
-    threads and block their own until it is done, forever. Without the guard 40
-    evaluations hung on jax 0.10 in every run (within 1 to 18); never on jax 0.12."""
-    out, hung = deadlocks("after")
-    check_deadlock_guard("after", out, hung, LAPACK_BLOCKS_POOL,
-                         "the padded block's LAPACK kernels beside the others'")
-
-
-def test_pool_gate_keeps_a_pool_thread_free_of_lapack_chunk_programs(deadlocks):
-    """Chunk programs with batched LAPACK kernels run at most ``POOL_SLOTS`` (the pool's
-    threads less one) at a time: two at once on XLA's pool of two threads waited for each
-    other forever (jax 0.10, every run of the gradient; never on jax 0.12)."""
-    out, hung = deadlocks("pool_gate")
-    check_deadlock_guard("pool_gate", out, hung, LAPACK_BLOCKS_POOL,
-                         "two LAPACK chunk programs at once")
+def test_lapack_rows_keep_a_sites_lapack_kernels_from_waiting_for_each_other(deadlocks):
+    """A site whose ``fn`` solves per group keeps each LAPACK kernel's batch small enough
+    to run in place (``analysis.lapack_rows``): its jitted gradient finishes on the graph
+    and on two threads. Without the limit, on jax 0.10, the gradient's batched solves
+    ran at once on both threads of XLA's pool and waited for each other forever (within
+    a few evaluations, every run); on jax 0.12 the kernels run in place and there is no
+    limit to remove."""
+    out, hung = deadlocks("lapack_rows")
+    check_deadlock_guard("lapack_rows", out, hung, LAPACK_BLOCKS_POOL,
+                         "batched LAPACK kernels of a site's gradient")
 
 
 def test_stall_probe_ends_a_host_callback_whose_chunks_cannot_start(deadlocks):
