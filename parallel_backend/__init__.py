@@ -11,7 +11,7 @@ import importlib
 
 from ._version import __version__
 from .blocks import BlockPlan, plan_blocks, tree_sum
-from .errors import ChunkError
+from .errors import ChunkError, EvaluationStalled
 from .executors import (
     Executor,
     SerialExecutor,
@@ -29,6 +29,7 @@ __all__ = [
     "ChunkError",
     "DaskExecutor",
     "DeviceExecutor",
+    "EvaluationStalled",
     "Executor",
     "SerialExecutor",
     "ThreadExecutor",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["ChunkError", "InFlightLimit", "TracedElsewhere", "check_count"]
+__all__ = ["ChunkError", "EvaluationStalled", "InFlightLimit", "TracedElsewhere", "check_count"]
 
 
 def check_count(value, name: str, where: str, *, least: int = 1, none_ok: bool = False,
@@ -107,3 +107,37 @@ class InFlightLimit(RuntimeError):
 
     def __reduce__(self):  # crosses processes (a dask worker's answer) as itself
         return type(self), (self.label, self.seconds)
+
+
+class EvaluationStalled(RuntimeError):
+    """No chunk of an evaluation finished for the executor's ``stall_timeout`` seconds:
+    a chunk program waits for something that never comes (a kernel waiting on XLA's
+    thread pool, a lock in ``fn``) or runs far longer than any evaluation should. The
+    chunks not started are cancelled; the executor starts new threads for its next
+    evaluation, and nothing waits for the stuck ones.
+
+    Attributes
+    ----------
+    label : str
+        The site's ``fn``.
+    seconds : float
+        The executor's ``stall_timeout``.
+    rows : tuple
+        The row ranges ``[start, stop)`` of the chunks that had not finished.
+    executor : str
+    """
+
+    def __init__(self, label: str, seconds: float, rows=(), executor: str = "?"):
+        self.label, self.seconds = label, seconds
+        self.rows, self.executor = tuple(tuple(r) for r in rows), executor
+        pending = ", ".join(f"[{a}, {b})" for a, b in self.rows[:4])
+        more = f" and {len(self.rows) - 4} more" if len(self.rows) > 4 else ""
+        super().__init__(
+            f"reduce_sum: {label}: no chunk finished for {seconds:g} s on executor "
+            f"{executor!r} (rows {pending or '?'}{more} still running): a chunk program "
+            "waits for something that never comes, or runs longer than any evaluation "
+            "should. Where a chunk legitimately takes that long, give the executor a "
+            "larger stall_timeout (seconds; None waits forever).")
+
+    def __reduce__(self):  # crosses processes (a dask worker's answer) as itself
+        return type(self), (self.label, self.seconds, self.rows, self.executor)

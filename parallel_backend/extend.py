@@ -28,10 +28,12 @@ chunk, evaluation)`` runs a chunk on them. Every result must come from ``run_tas
 ``run_chunk``) on the same prepared data: that is what keeps results bitwise the same on
 every executor.
 
-An executor that runs tasks on threads of this process waits for them with
-``gather(futures, devices, label)``: where the chunk programs cannot start because XLA's
-device has no place left for programs in flight, it raises ``InFlightLimit`` instead of
-waiting forever.
+An executor that runs tasks on threads of this process (a ``TaskPool``, whose threads
+nothing waits for without a bound) waits for them with ``gather(futures, devices, label,
+timeout, rows, executor)``: where no chunk finishes for ``timeout`` seconds (the
+executor's ``stall_timeout``) it cancels what has not started and raises
+``EvaluationStalled``; where the chunk programs cannot start because XLA's device has no
+place left for programs in flight, it raises ``InFlightLimit`` at once.
 """
 
 from .batching import unblock
@@ -47,8 +49,9 @@ from .blocks import (
     xla_threads,
 )
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
-from .errors import ChunkError, InFlightLimit, check_count
-from .executors.base import Executor, site_stats
+from .errors import ChunkError, EvaluationStalled, InFlightLimit, check_count
+from .executors.base import STALL_TIMEOUT, Executor, check_stall_timeout, site_stats
+from .executors.pool import TaskPool
 from .executors.registry import resolve_executor
 from .guards import fence, gather, hide, hide_bounds
 from .internals import is_tracer
@@ -69,6 +72,7 @@ from .tasks import (
 __all__ = [
     "GRAPH",
     "HOST",
+    "STALL_TIMEOUT",
     "AdaptiveChunker",
     "BlockPlan",
     "Choice",
@@ -76,6 +80,7 @@ __all__ = [
     "ChunkError",
     "ChunkResult",
     "Evaluation",
+    "EvaluationStalled",
     "Executor",
     "InFlightLimit",
     "Program",
@@ -85,11 +90,13 @@ __all__ = [
     "SiteState",
     "Slots",
     "Task",
+    "TaskPool",
     "TilePlan",
     "accelerator",
     "block_axis",
     "carried",
     "check_count",
+    "check_stall_timeout",
     "choose",
     "chunks_within",
     "cpu_count",

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .errors import InFlightLimit
+from .errors import EvaluationStalled, InFlightLimit
 from .internals import custom_vmap
 
 __all__ = [
@@ -200,30 +201,49 @@ STALL_SECONDS = 2.0
 PROBE_SECONDS = 8.0
 
 
-def gather(futures, devices, label: str) -> list:
+def gather(futures, devices, label: str, timeout: float | None = None, rows=(),
+           executor: str = "?") -> list:
     """``[f.result() for f in futures]`` (chunk tasks on this process's threads, the
-    ``i``-th on ``devices[i]``), with guard ``stall_probe``: where no chunk finishes for
-    :data:`STALL_SECONDS`, a program of one addition is started on each device a pending
-    chunk runs on; if one cannot start within :data:`PROBE_SECONDS`,
-    :class:`~parallel_backend.errors.InFlightLimit` is raised instead of waiting forever.
-    A chunk that is merely slow (compiling, a long evaluation) leaves places free, and
-    the wait goes on."""
-    if not enabled("stall_probe"):
-        return [f.result() for f in futures]
-    results, seen = [], 0
+    ``i``-th on ``devices[i]``), every wait bounded.
+
+    * Where no chunk finishes for ``timeout`` seconds (an executor's ``stall_timeout``;
+      ``None``: no bound), the chunks not started are cancelled and
+      :class:`~parallel_backend.errors.EvaluationStalled` names the site, the seconds and
+      the ``rows`` (``[start, stop)`` per future) of the chunks still running.
+    * Guard ``stall_probe``: where no chunk finishes for :data:`STALL_SECONDS`, a program
+      of one addition is started on each device a pending chunk runs on; if one cannot
+      start within :data:`PROBE_SECONDS`, :class:`~parallel_backend.errors.InFlightLimit`
+      is raised at once. A chunk that is merely slow (compiling, a long evaluation)
+      leaves places free, and the wait goes on up to ``timeout``.
+    """
+    probe = enabled("stall_probe")
+    results, seen, since = [], 0, time.monotonic()
     for future in futures:
         while True:
+            waited = time.monotonic() - since
+            step = STALL_SECONDS if probe else None
+            if timeout is not None:
+                step = max(0.0, min(step if step is not None else timeout, timeout - waited))
             try:
-                results.append(future.result(timeout=STALL_SECONDS))
+                results.append(future.result(timeout=step))
                 break
             except TimeoutError:
                 finished = sum(f.done() for f in futures)
-                if finished == seen:  # nothing finished for STALL_SECONDS: can they start?
+                if finished != seen:  # progress: the clocks start again
+                    seen, since = finished, time.monotonic()
+                    continue
+                if probe:  # nothing finished for a while: can the chunks start at all?
                     stuck = {d for f, d in zip(futures, devices) if not f.done()}
                     if not all(_starts(d, PROBE_SECONDS) for d in stuck) and \
                             sum(f.done() for f in futures) == finished:
                         raise InFlightLimit(label, STALL_SECONDS + PROBE_SECONDS) from None
-                seen = finished
+                if timeout is not None and time.monotonic() - since >= timeout and \
+                        sum(f.done() for f in futures) == finished:
+                    pending = [r for f, r in zip(futures, rows or [()] * len(futures))
+                               if not f.done() and r]
+                    for f in futures:
+                        f.cancel()
+                    raise EvaluationStalled(label, timeout, pending, executor) from None
     return results
 
 

@@ -76,6 +76,9 @@ class SiteState:
         self.counter = None
         #: Gradient evaluations in the graph that pb.sample counted: (calls, batches).
         self.sampled = [0, 0]
+        #: An evaluation stalled: chunk programs that may never end still read this
+        #: site's device copies, which are then left to them (see :meth:`release`).
+        self.stalled = False
 
     @property
     def label(self) -> str:
@@ -145,7 +148,7 @@ class SiteState:
         """Free this process's device copies and drop what the executor placed (the state
         stays usable: everything is made again on demand)."""
         host, self.host = self.host, None
-        if host is not None:
+        if host is not None and not self.stalled:  # freeing a copy in use waits for its user
             host[1].delete()
         self.placed = {}
         self.eager = {}  # its programs hold this state: no cycle left behind

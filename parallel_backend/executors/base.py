@@ -12,22 +12,40 @@ itself lives in :mod:`parallel_backend.host`, the graph/host decision in
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import numpy as np
 
 from .. import routes as _routes
+from ..errors import EvaluationStalled
 from ..guards import gather
 from ..routes import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
+from .pool import TaskPool
 
-__all__ = ["DISPATCH_MODES", "Executor"]
+__all__ = ["DISPATCH_MODES", "STALL_TIMEOUT", "Executor", "check_stall_timeout"]
 
 DISPATCH_MODES = ("auto", "graph", "host")
+#: Seconds an evaluation waits with no chunk finishing before it raises
+#: :class:`~parallel_backend.errors.EvaluationStalled` (an executor's default
+#: ``stall_timeout``): far longer than a chunk of any sampler's gradient takes, compiling
+#: included, and short enough that a stuck run says so within minutes.
+STALL_TIMEOUT = 300.0
+
+
+def check_stall_timeout(value, where: str):
+    """``value`` as seconds (a positive number) or ``None``, else a ``ValueError`` naming
+    ``where``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{where}: stall_timeout must be a positive number of seconds or "
+                         f"None (wait forever), got {value!r}")
+    return float(value)
 
 class Executor:
     """Base class of every executor.
@@ -49,15 +67,21 @@ class Executor:
         callback compiled into the program, tens of microseconds per evaluation).
         Host-path evaluations are always counted, and ``pb.sample`` counts the
         graph's from the sampler's leapfrog steps.
+    stall_timeout : float or None
+        Seconds an evaluation on the executor's workers waits with no chunk finishing
+        before it raises :class:`~parallel_backend.errors.EvaluationStalled` (default
+        :data:`STALL_TIMEOUT`, 300); ``None`` waits forever.
     """
 
     name: ClassVar[str] = "base"
 
-    def __init__(self, *, dispatch: str = "auto", count_calls: bool = False):
+    def __init__(self, *, dispatch: str = "auto", count_calls: bool = False,
+                 stall_timeout: float | None = STALL_TIMEOUT):
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {list(DISPATCH_MODES)}, got {dispatch!r}")
         self.dispatch = dispatch
         self.count_calls = bool(count_calls)
+        self.stall_timeout = check_stall_timeout(stall_timeout, type(self).__name__)
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
         self._closed = False
@@ -80,34 +104,54 @@ class Executor:
 
         The default hands each task to :func:`~parallel_backend.tasks.run_task` on the
         executor's own thread pool (:meth:`task_threads` threads, made at first use, ended
-        by :meth:`close`) and waits with guard ``stall_probe``
-        (:func:`~parallel_backend.guards.gather`): run on the waiting thread itself, a
-        chunk that can never start would hang the callback instead of raising
-        :class:`~parallel_backend.errors.InFlightLimit`. An executor with workers
-        elsewhere hands each task to one, as ``concurrent.futures`` would.
+        by :meth:`close`) and waits with :func:`~parallel_backend.guards.gather`: at most
+        :attr:`stall_timeout` seconds without a chunk finishing, and with guard
+        ``stall_probe`` (run on the waiting thread itself, a chunk that can never start
+        would hang the callback instead of raising
+        :class:`~parallel_backend.errors.InFlightLimit`). After a stall the pool, with its
+        stuck threads, is dropped and the next evaluation starts a new one. An executor
+        with workers elsewhere hands each task to one, as ``concurrent.futures`` would.
         """
         if not tasks:
             return []
         pool = self.task_pool()
         futures = [pool.submit(run_task, t) for t in tasks]
-        return gather(futures, [t.resident.device for t in tasks], tasks[0].program.spec.label)
+        spec = tasks[0].program.spec
+        try:
+            return gather(futures, [t.resident.device for t in tasks], spec.label,
+                          self.stall_timeout,
+                          [spec.rows(t.chunk.first, t.chunk.count) for t in tasks], self.name)
+        except EvaluationStalled:
+            tasks[0].site.stalled = True
+            self.drop_pool(pool)
+            raise
 
     def task_threads(self) -> tuple[int, str]:
         """How many threads the pool of :meth:`run_tasks` has, and their name's prefix:
         one, which runs the tasks in turn."""
         return 1, "parallel_backend-tasks"
 
-    def task_pool(self) -> ThreadPoolExecutor:
-        """The thread pool that runs this executor's tasks (made at first use)."""
+    def task_pool(self) -> TaskPool:
+        """The threads that run this executor's tasks (made at first use: daemon
+        threads, which a stuck chunk program never makes ``close()`` or the
+        interpreter's exit wait for)."""
         pool = self._runner
         if pool is None:
             with self._lock:
                 self.check_open()
                 if self._runner is None:
                     threads, name = self.task_threads()
-                    self._runner = ThreadPoolExecutor(threads, thread_name_prefix=name)
+                    self._runner = TaskPool(threads, name)
                 pool = self._runner
         return pool
+
+    def drop_pool(self, pool: TaskPool) -> None:
+        """Leave ``pool`` (threads stuck in a stalled evaluation) behind: the next
+        evaluation starts a new one."""
+        with self._lock:
+            if self._runner is pool:
+                self._runner = None
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
                        set_axes=None):
@@ -286,7 +330,7 @@ class Executor:
             self.release()
             with self._lock:
                 runner, self._runner = self._runner, None
-            if runner is not None:
+            if runner is not None:  # waits a little for idle threads, never for stuck ones
                 runner.shutdown(wait=True, cancel_futures=True)
             self._states.clear()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Executor
+from .base import STALL_TIMEOUT, Executor
 
 __all__ = ["SerialExecutor"]
 
@@ -19,7 +19,7 @@ class SerialExecutor(Executor):
     Parameters
     ----------
     dispatch : {"graph", "host", "auto"}
-    count_calls : bool
+    count_calls, stall_timeout
         See :class:`~parallel_backend.executors.base.Executor`.
 
     Examples
@@ -33,5 +33,7 @@ class SerialExecutor(Executor):
 
     name = "serial"
 
-    def __init__(self, *, dispatch: str = "graph", count_calls: bool = False):
-        super().__init__(dispatch=dispatch, count_calls=count_calls)
+    def __init__(self, *, dispatch: str = "graph", count_calls: bool = False,
+                 stall_timeout: float | None = STALL_TIMEOUT):
+        super().__init__(dispatch=dispatch, count_calls=count_calls,
+                         stall_timeout=stall_timeout)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..blocks import cpu_count
 from ..errors import check_count
-from .base import Executor
+from .base import STALL_TIMEOUT, Executor
 
 __all__ = ["ThreadExecutor"]
 
@@ -26,8 +26,10 @@ class ThreadExecutor(Executor):
         elsewhere; inside ``pb.sample`` both are timed on real segments of the
         sampler and the faster is kept. ``"host"`` always uses the threads,
         ``"graph"`` never.
-    count_calls : bool
-        See :class:`~parallel_backend.executors.base.Executor`.
+    count_calls, stall_timeout
+        See :class:`~parallel_backend.executors.base.Executor` (``stall_timeout``: seconds
+        an evaluation waits with no chunk finishing, 300 by default, before it raises
+        :class:`~parallel_backend.errors.EvaluationStalled`; ``None``: forever).
 
     Examples
     --------
@@ -43,11 +45,12 @@ class ThreadExecutor(Executor):
     name = "thread"
 
     def __init__(self, workers: int | None = None, *, dispatch: str = "auto",
-                 count_calls: bool = False):
+                 count_calls: bool = False, stall_timeout: float | None = STALL_TIMEOUT):
         if workers is None:
             workers = cpu_count()
         workers = check_count(workers, "workers", "ThreadExecutor", what="threads")
-        super().__init__(dispatch=dispatch, count_calls=count_calls)
+        super().__init__(dispatch=dispatch, count_calls=count_calls,
+                         stall_timeout=stall_timeout)
         self._workers = workers
 
     @property
@@ -65,4 +68,5 @@ class ThreadExecutor(Executor):
         items = list(items)
         if len(items) <= 1 or self._workers == 1:
             return super().map(func, items)
-        return list(self.task_pool().map(func, items))
+        pool = self.task_pool()
+        return [f.result() for f in [pool.submit(func, item) for item in items]]

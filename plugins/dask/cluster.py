@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 import warnings
+import weakref
+from typing import ClassVar
 
 from distributed import Client, LocalCluster
 from distributed.comm.core import CommClosedError
@@ -25,7 +28,8 @@ from parallel_backend.extend import check_count, cpu_count
 
 from .protocol import QUARANTINE_SECONDS
 
-__all__ = ["Liveness", "Releases", "connect", "local_cluster", "scheduler_lost", "worker_env"]
+__all__ = ["Liveness", "Releases", "WorkerEvents", "connect", "local_cluster", "retirement",
+           "scheduler_lost", "worker_env"]
 
 #: Eigen's own thread pool off on workers: the worker's threads are the parallelism.
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
@@ -84,15 +88,93 @@ def scheduler_lost(address: str, why) -> ConnectionError:
         f"checkpoint when called again")
 
 
+#: Worker statuses of a worker the cluster is retiring (``retire_workers``, ``adapt``
+#: scaling down, a job whose lifetime ends), as the scheduler's events name them.
+LEAVING = frozenset({"closing_gracefully", "closing", "closed"})
+
+
+def retirement(msg: dict) -> bool | None:
+    """What a scheduler event about a worker says of its leaving: ``True`` where the
+    cluster retires it (a status of :data:`LEAVING`, ``retired``, or its removal
+    ``expected``), ``False`` where it was removed unexpectedly (it died), ``None`` for
+    other events."""
+    action = msg.get("action")
+    if action == "worker-status-change":
+        return True if msg.get("status") in LEAVING else None
+    if action == "retired":
+        return True
+    if action == "remove-worker":
+        return bool(msg.get("expected"))
+    return None
+
+
+class WorkerEvents:
+    """The scheduler's events about each worker (it logs them under the worker's address),
+    handed to every executor of one client that watches that worker: dask keeps one
+    handler per topic and client, so executors sharing a client share this."""
+
+    _of: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, client):
+        self._client = weakref.ref(client)
+        self._listeners: dict = {}  # address -> [listener(address, msg)]
+
+    @classmethod
+    def of(cls, client) -> WorkerEvents:
+        with cls._lock:
+            events = cls._of.get(client)
+            if events is None:
+                events = cls._of[client] = cls(client)
+            return events
+
+    def watch(self, address: str, listener) -> None:
+        """Call ``listener(address, msg)`` for each event about ``address`` from now on."""
+        with self._lock:
+            listeners = self._listeners.setdefault(address, [])
+            if listener in listeners:
+                return
+            listeners.append(listener)
+            first = len(listeners) == 1
+        client = self._client()
+        if first and client is not None and client.status == "running":
+            client.subscribe_topic(address, lambda event: self._dispatch(address, event))
+
+    def forget(self, listener) -> None:
+        """Stop calling ``listener``; topics nobody watches any more are unsubscribed."""
+        with self._lock:
+            done = []
+            for address, listeners in self._listeners.items():
+                if listener in listeners:
+                    listeners.remove(listener)
+                if not listeners:
+                    done.append(address)
+            for address in done:
+                del self._listeners[address]
+        client = self._client()
+        if client is not None and client.status == "running":
+            for address in done:
+                with contextlib.suppress(Exception):  # already gone with the client
+                    client.unsubscribe_topic(address)
+
+    def _dispatch(self, address: str, event) -> None:
+        with self._lock:
+            listeners = list(self._listeners.get(address, ()))
+        for listener in listeners:
+            listener(address, event[1])
+
+
 class Liveness:
     """The workers of a cluster as last seen (and those that joined since), less those
-    that failed recently."""
+    that failed recently or left."""
 
     def __init__(self, client, timeout: float, nthreads: dict):
         self.client = client
         self.timeout = timeout
         self.nthreads = dict(nthreads)
         self.failures = 0
+        #: Workers the cluster retired: they left, and failed nobody.
+        self.departed: set = set()
         self._quarantine: dict = {}  # address -> time it failed
         self._why: dict = {}  # address -> how it failed, for the error of wait()
         self._listed: dict = {}  # the workers the scheduler listed last, failed or not
@@ -109,10 +191,11 @@ class Liveness:
 
     def lose(self, address: str, why: str = "") -> None:
         """``address`` did not answer (``why``): keep it out of the rotation for a while."""
+        if address not in self._quarantine:  # one failure, however many calls saw it
+            self.failures += 1
         self._quarantine[address] = time.monotonic()
         self._why[address] = why
         self.nthreads.pop(address, None)
-        self.failures += 1
 
     def join(self, address: str, threads: int) -> None:
         """A worker of ``threads`` threads joined (its probe said so, on the client's event
@@ -120,10 +203,25 @@ class Liveness:
         for the scheduler to list it again."""
         if address not in self._quarantine:
             self.nthreads[address] = max(1, int(threads))
+            self.departed.discard(address)
 
     def leave(self, address: str) -> None:
-        """A worker closed (it said so as it went): no message goes to it any more."""
+        """A worker left cleanly (the cluster retired it): no message goes to it any more,
+        and no failure is counted."""
         self.nthreads.pop(address, None)
+        self.departed.add(address)
+
+    async def retired(self, address: str) -> bool:
+        """Whether the scheduler's events say the cluster retired ``address`` (asked where
+        a message to it failed: a retired worker left, a dead one failed)."""
+        if address in self.departed:
+            return True
+        try:
+            events = await asyncio.wait_for(self.client.scheduler.events(topic=address),
+                                            self.timeout)
+        except Exception:  # noqa: BLE001 - no answer: the worker's failure, as before
+            return False
+        return any(retirement(msg) for _, msg in events or ())
 
     async def alive(self) -> dict:
         """Workers the scheduler lists now, less those that just failed us."""

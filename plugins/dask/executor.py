@@ -41,12 +41,19 @@ import numpy as np
 from distributed import Client
 from distributed.comm.core import CommClosedError
 
-from parallel_backend.extend import ChunkError, Executor, InFlightLimit, chunks_within
+from parallel_backend.extend import (
+    STALL_TIMEOUT,
+    ChunkError,
+    EvaluationStalled,
+    Executor,
+    InFlightLimit,
+    chunks_within,
+)
 
 from . import cluster, probe
 from . import worker as remote
 from .placement import RemoteSite, assign, blocks_held, compute_span, forget_revived
-from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, MAX_ROUNDS, OK
+from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, LEAVING, MAX_ROUNDS, OK
 from .transport import LOST, TRANSPORTS, Routes, SchedulerUnreachable
 
 __all__ = ["DaskExecutor"]
@@ -61,6 +68,10 @@ _INSTALL = cloudpickle.dumps(remote.install)
 
 class _WorkerGone(Exception):
     """A worker did not answer, or lost this executor's state."""
+
+
+class _WorkerLeaving(Exception):
+    """The cluster is retiring a worker: it takes no more work, and failed nobody."""
 
 
 class DaskExecutor(Executor):
@@ -105,6 +116,9 @@ class DaskExecutor(Executor):
         dask-gateway, a managed service); ``"auto"``, direct to each worker that answers
         a direct call within a few seconds at its first message, else through the
         scheduler. ``stats()["transport"]`` says which is in use.
+    stall_timeout : float or None
+        Seconds a worker's evaluation waits with no chunk finishing before it answers
+        :class:`~parallel_backend.EvaluationStalled` (see :class:`~parallel_backend.Executor`).
 
     Examples
     --------
@@ -119,7 +133,7 @@ class DaskExecutor(Executor):
     def __init__(self, client=None, address=None, *, timeout: float = 10.0,
                  n_workers: int | None = None, threads_per_worker: int = 1,
                  dispatch: str = "auto", count_calls: bool = False, rebalance: bool = True,
-                 transport: str = "auto"):
+                 transport: str = "auto", stall_timeout: float | None = STALL_TIMEOUT):
         if client is not None and address is not None:
             raise ValueError("DaskExecutor: give client= or address=, not both")
         if transport not in TRANSPORTS:
@@ -127,7 +141,8 @@ class DaskExecutor(Executor):
                              f"{sorted(TRANSPORTS)}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"DaskExecutor: timeout must be a positive number of seconds, got {timeout!r}")
-        super().__init__(dispatch=dispatch, count_calls=count_calls)
+        super().__init__(dispatch=dispatch, count_calls=count_calls,
+                         stall_timeout=stall_timeout)
         self.timeout = float(timeout)
         self.rebalance = bool(rebalance)
         self._replacements = 0
@@ -165,6 +180,7 @@ class DaskExecutor(Executor):
             # Same bits everywhere? Each joiner's probe also tells the executor it joined.
             self._probe = probe.watch(self._client, self._plugin, on_join=self._live.join,
                                       on_leave=self._left)
+            self._events = cluster.WorkerEvents.of(self._client)
             # Looked up once: it is a scheduler round trip, and repr/stats show it.
             services = self._client.scheduler_info().get("services", {})
             self._dashboard = self._client.dashboard_link if "dashboard" in services else None
@@ -304,15 +320,21 @@ class DaskExecutor(Executor):
         for round_ in range(MAX_ROUNDS):
             if not alive:
                 alive = await self._live.wait()
+            for addr in alive:  # the scheduler's word on each worker's leaving
+                self._events.watch(addr, self._worker_event)
             orphans = [i for i, a in enumerate(owners) if a not in alive]
-            groups = assign(shards, owners, pending, alive)
+            retired = all(layout.vacated.get(i, owners[i]) in self._live.departed
+                          for i in orphans)
+            groups = assign(shards, owners, pending, alive)  # gives the orphans new owners
             if orphans:
                 moved = {}
                 for i in orphans:
                     moved[owners[i]] = moved.get(owners[i], 0) + shards[i].count
-                log.warning("site %r: %d blocks of workers lost or gone now evaluated by %s",
-                            r.label, sum(shards[i].count for i in orphans),
-                            ", ".join(f"{a} ({n})" for a, n in sorted(moved.items())))
+                log.log(logging.INFO if retired else logging.WARNING,
+                        "site %r: %d blocks of workers %s now evaluated by %s", r.label,
+                        sum(shards[i].count for i in orphans),
+                        "that the cluster retired" if retired else "lost or gone",
+                        ", ".join(f"{a} ({n})" for a, n in sorted(moved.items())))
             if round_:
                 log.info("site %r: evaluation round %d re-sends %d of %d chunks",
                          r.label, round_ + 1, len(pending), len(tasks))
@@ -323,6 +345,10 @@ class DaskExecutor(Executor):
             for (addr, group), out in zip(groups.items(), outcomes):
                 if isinstance(out, SchedulerUnreachable):
                     lost = True  # the scheduler's fault, not the worker's: asked below
+                elif isinstance(out, _WorkerLeaving) or (
+                        isinstance(out, (_WorkerGone, *LOST)) and await self._live.retired(addr)):
+                    self._left(addr)  # retired, not failed: its chunks go to the others
+                    lost = True
                 elif isinstance(out, (_WorkerGone, *LOST)):
                     why = f"{type(out).__name__}: {out}"
                     log.warning("worker %s lost (%s); its chunks go to the workers left",
@@ -354,10 +380,25 @@ class DaskExecutor(Executor):
         self._forget_worker(addr)
 
     def _left(self, addr: str) -> None:
-        """A worker said it is closing (retired, scaled down, its job ended)."""
+        """The cluster retired a worker (``retire_workers``, ``adapt`` scaling down, its
+        job's lifetime ended): nothing more goes to it, and no failure is counted."""
+        if addr in self._live.departed:
+            return
         log.info("worker %s left the cluster", addr)
         self._live.leave(addr)
         self._forget_worker(addr)
+
+    def _worker_event(self, addr: str, msg: dict) -> None:
+        """The scheduler's event about ``addr`` (on the client's event loop): a worker being
+        retired leaves at once, before any message could find it gone; one removed
+        unexpectedly failed."""
+        retired = cluster.retirement(msg)
+        if retired:
+            self._left(addr)
+        elif retired is False and addr in self._live.nthreads:
+            log.warning("worker %s lost (the scheduler removed it); its chunks go to the "
+                        "workers left", addr)
+            self._lose(addr, "removed by the scheduler")
 
     def _forget_worker(self, addr: str) -> None:
         self._routes.forget(addr)
@@ -376,7 +417,8 @@ class DaskExecutor(Executor):
         # precision (float32 unless x64 is on there).
         shared = tuple(np.asarray(s) for s in ev.shared)
         args = cloudpickle.dumps((self._plugin, r.token, r.data_token, payload, shared,
-                                  ev.diff_traced, ev.diff_shared, ev.in_axes))
+                                  ev.diff_traced, ev.diff_shared, ev.in_axes,
+                                  self.stall_timeout))
         for attempt in range(INSTALL_ATTEMPTS):
             t0 = time.perf_counter()
             reply = await self._send(addr, _EVALUATE, args)
@@ -386,12 +428,14 @@ class DaskExecutor(Executor):
                 wall = time.perf_counter() - t0
                 self._routes.observe(addr, wall - compute_span(group, reply.results, threads))
                 return reply.results, wall
-            if reply.status == ERROR:  # fn's failure, or the worker's InFlightLimit as itself
-                e = reply.error
-                raise e if isinstance(e, InFlightLimit) else ChunkError.wrap(
-                    e, e.rows, r.label, self.name)
+            if reply.status == ERROR:  # fn's failure, or the worker's InFlightLimit or
+                e = reply.error        # EvaluationStalled as itself
+                raise e if isinstance(e, (InFlightLimit, EvaluationStalled)) else \
+                    ChunkError.wrap(e, e.rows, r.label, self.name)
             if reply.status == GONE:
                 raise _WorkerGone(reply.detail)
+            if reply.status == LEAVING:
+                raise _WorkerLeaving(reply.detail)
             await self._install(addr, r, reply.need_spec, reply.need_shards)
         raise _WorkerGone(f"{addr} did not keep the data sent to it")
 
@@ -406,6 +450,8 @@ class DaskExecutor(Executor):
         reply = await self._send(addr, _INSTALL, args)
         if reply.status == GONE:
             raise _WorkerGone(reply.detail)
+        if reply.status == LEAVING:
+            raise _WorkerLeaving(reply.detail)
 
     async def _send(self, addr, function: bytes, args: bytes):
         """The worker's :class:`~.protocol.Reply`; the bytes both ways are counted."""
@@ -455,6 +501,7 @@ class DaskExecutor(Executor):
                  self._live.scheduler_address, self.stats()["calls"], self._routes.summary(),
                  f" (a message beyond compute: {cost})" if cost else "")
         probe.unwatch(self._client, self._probe)
+        self._events.forget(self._worker_event)
         # A cluster that is gone holds no state to drop.
         with contextlib.suppress(Exception):
             if self._client.status == "running":

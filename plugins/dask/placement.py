@@ -160,6 +160,8 @@ class Layout:
         self.tiles = tiles
         self.shards: list = []
         self.owners: list = []
+        #: The worker each shard without an owner (``None`` in :attr:`owners`) had.
+        self.vacated: dict = {}
         self.workers: set = set()
         self.moves = 0
         self._placed: set = set()  # tile counts placed so far: never go back to one
@@ -209,7 +211,7 @@ class Layout:
                 shards.append(Chunk(a, b - a))
                 owners.append(addr)
             t += m
-        self.shards, self.owners = shards, owners
+        self.shards, self.owners, self.vacated = shards, owners, {}
         self.workers = set(threads)
         self._placed.add(tuple(counts.items()))
         self._cost = None
@@ -220,6 +222,7 @@ class Layout:
         worker that comes back at ``addr`` counts as joining)."""
         self.workers.discard(addr)
         if addr in self.owners:
+            self.vacated.update((i, addr) for i, a in enumerate(self.owners) if a == addr)
             self.owners[:] = [None if a == addr else a for a in self.owners]
             self._measure()
 

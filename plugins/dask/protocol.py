@@ -20,6 +20,7 @@ __all__ = [
     "ERROR",
     "GONE",
     "INSTALL_ATTEMPTS",
+    "LEAVING",
     "MAX_ROUNDS",
     "MISSING",
     "OK",
@@ -27,7 +28,7 @@ __all__ = [
     "Reply",
 ]
 
-OK, MISSING, ERROR, GONE = "ok", "missing", "error", "gone"
+OK, MISSING, ERROR, GONE, LEAVING = "ok", "missing", "error", "gone", "leaving"
 #: Times a worker is sent a call site's data before it counts as gone.
 INSTALL_ATTEMPTS = 3
 #: Rounds of re-assigning chunks after worker failures before an evaluation gives up.
@@ -41,12 +42,14 @@ class Reply(NamedTuple):
 
     Attributes
     ----------
-    status : {"ok", "missing", "error", "gone"}
+    status : {"ok", "missing", "error", "gone", "leaving"}
         ``ok``: ``results`` holds the chunk results; ``missing``: the worker needs
         the spec (``need_spec``) or data pieces (``need_shards``) first; ``error``:
         ``fn`` raised (``error``, a ``ChunkError``), or the worker's chunk programs
         could not start (``error``, an ``InFlightLimit``); ``gone``: the worker has no state
-        for this executor (restarted), ``detail`` says which.
+        for this executor (restarted), ``detail`` says which; ``leaving``: the cluster
+        is retiring the worker (``retire_workers``, ``adapt`` scaling down, a job's
+        lifetime ending), which takes no more work.
     """
 
     status: str

@@ -23,7 +23,7 @@ import inspect
 import logging
 import os
 import threading
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import CancelledError
 
 import cloudpickle
 import numpy as np
@@ -31,7 +31,7 @@ from distributed import WorkerPlugin
 
 from .cluster import XLA_FLAGS
 from .internals import worker_plugin
-from .protocol import ERROR, GONE, MISSING, OK, Reply
+from .protocol import ERROR, GONE, LEAVING, MISSING, OK, Reply
 
 __all__ = ["WorkerState", "evaluate", "holdings", "install", "ping", "relay", "release",
            "release_everywhere"]
@@ -70,8 +70,8 @@ class WorkerState(WorkerPlugin):
             os.environ["XLA_FLAGS"] = f"{flags} {XLA_FLAGS}".strip()
         threads = getattr(worker.state, "nthreads", None) or getattr(worker, "nthreads", 1)
         self.address = worker.address
-        self.pool = ThreadPoolExecutor(max(1, int(threads)),
-                                       thread_name_prefix="parallel_backend_dask")
+        self.threads = max(1, int(threads))
+        self.pool = self.new_pool()
         self.specs: dict = {}  # site token -> SiteSpec
         self.sites: dict = {}  # site token -> Program, built at the site's first chunk
         self.shards: dict = {}  # (data token, shard: its first block and count) -> Resident
@@ -81,9 +81,25 @@ class WorkerState(WorkerPlugin):
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        for resident in getattr(self, "shards", {}).values():
-            resident.delete()
+        if not getattr(self, "stalled", False):  # freeing a copy in use waits for its user
+            for resident in getattr(self, "shards", {}).values():
+                resident.delete()
         self.specs, self.sites, self.shards = {}, {}, {}
+
+    def new_pool(self):
+        """The threads that run this worker's chunks (daemons: a stuck chunk holds up
+        neither the worker's exit nor, once its evaluation stalled, the next one)."""
+        from parallel_backend.extend import TaskPool
+
+        return TaskPool(self.threads, "parallel_backend_dask")
+
+    def drop_pool(self, pool) -> None:
+        """Leave a pool whose evaluation stalled behind, stuck threads and all (and the
+        data they may read: see :meth:`teardown`)."""
+        self.stalled = True
+        if self.pool is pool:
+            self.pool = self.new_pool()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def missing(self, token, data_token, shards) -> tuple[bool, tuple]:
         """Whether the site is missing, and which data shards are."""
@@ -205,22 +221,26 @@ def _gone(dask_worker, name) -> Reply:
 
 
 async def evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
-                   dask_worker=None) -> bytes:
-    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool: the
-    :class:`~.protocol.Reply`, pickled (the client counts the bytes it receives)."""
+                   stall_timeout=None, dask_worker=None) -> bytes:
+    """Run ``tasks`` (shard, chunk, traced blocks) on this worker's pool, waiting at most
+    ``stall_timeout`` seconds with no chunk finishing: the :class:`~.protocol.Reply`,
+    pickled (the client counts the bytes it receives)."""
     return cloudpickle.dumps(await _evaluate(name, token, data_token, tasks, shared,
-                                             diff_traced, diff_shared, in_axes, dask_worker))
+                                             diff_traced, diff_shared, in_axes, stall_timeout,
+                                             dask_worker))
 
 
 async def _evaluate(name, token, data_token, tasks, shared, diff_traced, diff_shared, in_axes,
-                    dask_worker) -> Reply:
+                    stall_timeout, dask_worker) -> Reply:
     """:func:`evaluate`'s reply.
 
     Waited for with ``gather`` (on a thread beside the event loop): where the worker
     shares XLA's device with the caller (a cluster in the caller's process) and the
     chunk programs can never start, it answers ``InFlightLimit`` instead of waiting."""
-    from parallel_backend.extend import ChunkError, InFlightLimit, gather
+    from parallel_backend.extend import ChunkError, EvaluationStalled, InFlightLimit, gather
 
+    if _leaving(dask_worker):
+        return Reply(LEAVING, detail=f"the worker {dask_worker.address} is being retired")
     state = _state(dask_worker, name)
     if state is None:
         return _gone(dask_worker, name)
@@ -240,10 +260,15 @@ async def _evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sh
         except Exception as e:  # noqa: BLE001 - reported per chunk below
             return e
 
-    futures = [state.pool.submit(outcome, task) for task in tasks]
+    pool = state.pool
+    futures = [pool.submit(outcome, task) for task in tasks]
     try:
         results = await loop.run_in_executor(
-            None, gather, futures, [residents[t[0]].device for t in tasks], spec.label)
+            None, gather, futures, [residents[t[0]].device for t in tasks], spec.label,
+            stall_timeout, [spec.rows(t[1].first, t[1].count) for t in tasks], "dask")
+    except EvaluationStalled as e:  # arrives as itself; the next evaluation gets new threads
+        state.drop_pool(pool)
+        return Reply(ERROR, error=e)
     except InFlightLimit as e:  # the caller's queue, not fn: it arrives as itself
         return Reply(ERROR, error=e)
     except CancelledError:
@@ -258,9 +283,20 @@ async def _evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sh
     return Reply(OK, results=results)
 
 
+def _leaving(dask_worker) -> bool:
+    """Whether the cluster is retiring this worker (its status is no longer running)."""
+    from distributed.core import Status
+
+    return getattr(dask_worker, "status", Status.running) in (
+        Status.closing_gracefully, Status.closing, Status.closed)
+
+
 def install(name, token, spec, data_token, pieces, dask_worker=None) -> bytes:
     """Keep a site (``spec``, cloudpickled, or ``None``) and data shards on this worker;
     the :class:`~.protocol.Reply`, pickled."""
+    if _leaving(dask_worker):
+        return cloudpickle.dumps(Reply(LEAVING, detail=f"the worker {dask_worker.address} is "
+                                                       "being retired"))
     state = _state(dask_worker, name)
     if state is None:
         return cloudpickle.dumps(_gone(dask_worker, name))

@@ -31,6 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import ThreadExecutor
 from parallel_backend.extend import (
+    STALL_TIMEOUT,
+    EvaluationStalled,
     Executor,
     Resident,
     Task,
@@ -98,6 +100,9 @@ class DeviceExecutor(Executor):
         given number of devices.
     count_calls : bool
         Count evaluations that stay in the graph for :meth:`stats`.
+    stall_timeout : float or None
+        Seconds an evaluation on the devices' threads waits with no chunk finishing
+        (see :class:`~parallel_backend.Executor`).
 
     Warns
     -----
@@ -132,10 +137,12 @@ class DeviceExecutor(Executor):
 
     name = "device"
 
-    def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = False):
+    def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = False,
+                 stall_timeout: float | None = STALL_TIMEOUT):
         devices = check_devices(devices)
         dispatch, notes = route_notes(devices, dispatch)
-        super().__init__(dispatch=dispatch, count_calls=count_calls)
+        super().__init__(dispatch=dispatch, count_calls=count_calls,
+                         stall_timeout=stall_timeout)
         self._devices = devices
         self._mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
         self._sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
@@ -220,8 +227,17 @@ class DeviceExecutor(Executor):
 
         # One thread per device, each running its device's chunks in order; gather watches
         # that they can start (the caller's device keeps a share on CPU devices).
-        futures = [self._threads.submit(run, share) for share in shares]
-        results = gather(futures, [share.device for share in shares], state.spec.label)
+        pool = self._threads.task_pool()
+        futures = [pool.submit(run, share) for share in shares]
+        try:
+            results = gather(futures, [share.device for share in shares], state.spec.label,
+                             self.stall_timeout,
+                             [state.spec.rows(s.chunk.first, s.chunk.count) for s in shares],
+                             self.name)
+        except EvaluationStalled:
+            state.stalled = True
+            self._threads.drop_pool(pool)
+            raise
         return [r for per in results for r in per]
 
     def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
@@ -456,7 +472,7 @@ class DeviceExecutor(Executor):
                 arrays, counts = rows
                 for arr in (*arrays, counts):
                     arr.delete()
-            for share in shares:
+            for share in shares if not state.stalled else ():  # in use: left to its user
                 share.resident.delete()
 
     def __repr__(self) -> str:

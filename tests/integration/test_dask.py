@@ -231,6 +231,58 @@ def test_workers_that_join_and_leave_change_no_bit_and_are_logged(caplog, x64,
     assert f"now evaluated by {stays}" in text, text
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["direct", "scheduler"])
+def test_a_worker_the_cluster_retires_mid_run_leaves_cleanly(caplog, x64, assert_identical,
+                                                             transport):
+    """``client.retire_workers`` (what ``adapt`` and a job queue's scale-down call) while
+    gradients are evaluated: every evaluation is ``SerialExecutor``'s, no failure is
+    counted, nothing is logged as lost, and nothing is sent to the worker once the
+    scheduler has removed it (its chunks go to the worker left)."""
+    data = make_data()
+
+    def f(ex):
+        return jax.jit(jax.value_and_grad(lambda m: pb.reduce_sum(
+            loglik, data, m, 1.0, 1.0, executor=ex, block_rows=BLOCK_ROWS)))
+
+    points = np.linspace(0.1, 0.9, 9)
+    ref = [f(pb.SerialExecutor())(m) for m in points]
+    sent = []
+    with (caplog.at_level(logging.INFO, logger="parallel_backend.dask"),
+          _cluster(n_workers=2) as cluster, Client(cluster) as c,
+          pb.DaskExecutor(client=c, dispatch="host", transport=transport) as ex):
+        routes_send = ex._routes.send
+
+        async def send(addr, function, args):  # when each message left, and for whom
+            sent.append((addr, time.time()))
+            return await routes_send(addr, function, args)
+
+        ex._routes.send = send
+        g = f(ex)
+        assert_identical(g(points[0]), ref[0])
+        first, second = sorted(c.scheduler_info()["workers"])
+        retiring = threading.Thread(target=c.retire_workers, args=([second],), daemon=True)
+        for i, m in enumerate(points[1:], start=1):
+            if i == 2:
+                retiring.start()
+            for _ in range(8):  # evaluations while the worker is retired
+                assert_identical(g(m), ref[i])
+        retiring.join(60)
+        removed = [t for t, msg in c.get_events(second)
+                   if msg.get("action") == "remove-worker"]
+        assert_identical(g(points[-1]), ref[-1])
+        s = ex.stats()
+    assert removed, "the scheduler never removed the worker"
+    assert s["worker_failures"] == 0, s
+    assert s["blocks_per_worker"] == {first: 20}, s
+    late = [t for a, t in sent if a == second and t > removed[0]]
+    assert not late, f"{len(late)} message(s) sent to {second} after its removal"
+    records = [r for r in caplog.records if r.name == "parallel_backend.dask"]
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in records]
+    assert any(f"worker {second} left the cluster" in r.getMessage() for r in records)
+
+
 def test_compiled_once_per_chunk_shape_on_workers(client, x64):
     data = make_data()
     with pb.DaskExecutor(client=client, dispatch="host") as ex:

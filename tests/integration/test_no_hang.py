@@ -114,3 +114,64 @@ def test_operations_queued_on_a_pending_result_end_in_an_error_not_a_hang(execut
     lines = done.stdout.split()
     assert lines in (["error", "True", "after", "True"], ["value", "True", "after", "True"]), \
         done.stdout + done.stderr[-3000:]
+
+
+STALLED = textwrap.dedent("""
+    import time
+    import distributed, jax, jax.numpy as jnp, numpy as np
+    import parallel_backend as pb
+
+    def block(x):  # the chunk holding the last rows does not come back
+        if np.any(x >= 990.0):
+            time.sleep(3600)
+        return x
+
+    def fn(x, m):
+        y = jax.pure_callback(block, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                              vmap_method="expand_dims")
+        return -(y - m) ** 2
+
+    x = jnp.arange(1000.0)
+    ex = EXECUTOR
+    f = jax.jit(jax.value_and_grad(lambda m: pb.reduce_sum(fn, x, m, executor=ex,
+                                                           block_rows=100)))
+    t0 = time.perf_counter()
+    try:
+        f(1.0)
+        print("value", flush=True)
+    except Exception as e:  # under jit the callback's error arrives wrapped: its text
+        text = str(e)
+        print("stalled", "EvaluationStalled" in text and "1000) still running" in text
+              and "stall_timeout" in text, round(time.perf_counter() - t0), flush=True)
+    g = jax.jit(lambda m: pb.reduce_sum(lambda x, m: -(x - m) ** 2, x, m, executor=ex))
+    print("after", float(g(1.0)) == float(-((x - 1.0) ** 2).sum()), flush=True)
+    t0 = time.perf_counter()
+    ex.close()
+    print("closed", round(time.perf_counter() - t0), flush=True)
+""")
+
+
+@pytest.mark.parametrize("executor", [
+    'pb.ThreadExecutor(2, dispatch="host", stall_timeout=3)',
+    'pb.SerialExecutor(dispatch="host", stall_timeout=3)',
+    ('pb.DaskExecutor(client=distributed.Client(processes=False, n_workers=1, '
+     'threads_per_worker=2, dashboard_address=None), dispatch="host", stall_timeout=3)')],
+    ids=["thread", "serial", "dask-in-process"])
+def test_a_stalled_chunk_ends_in_a_named_error_and_nothing_waits_for_it(executor):
+    """A chunk whose program never returns (here a callback in ``fn`` that waits forever):
+    the evaluation raises ``EvaluationStalled`` naming the chunk's rows and the setting,
+    within the executor's ``stall_timeout`` (3 s here; 300 by default) and the stall
+    probe's seconds; the executor evaluates other sites afterwards on new threads,
+    ``close()`` returns at once and the interpreter exits, the stuck thread left
+    behind."""
+    script = STALLED.replace("EXECUTOR", executor)
+    t0 = __import__("time").perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    stalled = lines[0].split()
+    assert stalled[:2] == ["stalled", "True"] and int(stalled[2]) <= 30, done.stdout
+    assert lines[1] == "after True" and lines[2].split()[0] == "closed", done.stdout
+    assert int(lines[2].split()[1]) <= 15, done.stdout
+    assert __import__("time").perf_counter() - t0 < 110
