@@ -50,8 +50,7 @@ from .blocks import (
 )
 from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_tiles
 from .errors import ChunkError, EvaluationStalled, InFlightLimit, check_count
-from .executors.base import STALL_TIMEOUT, Executor, check_stall_timeout, site_stats
-from .executors.pool import TaskPool
+from .executors.base import STALL_TIMEOUT, Executor, TaskPool, check_stall_timeout, site_stats
 from .executors.registry import resolve_executor
 from .guards import fence, gather, hide, hide_bounds
 from .internals import is_tracer

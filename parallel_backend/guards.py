@@ -201,7 +201,7 @@ STALL_SECONDS = 2.0
 PROBE_SECONDS = 8.0
 
 
-def gather(futures, devices, label: str, timeout: float | None = None, rows=(),
+def gather(futures, devices, label: str, timeout: float | None = None, rows=None,
            executor: str = "?") -> list:
     """``[f.result() for f in futures]`` (chunk tasks on this process's threads, the
     ``i``-th on ``devices[i]``), every wait bounded.
@@ -209,7 +209,8 @@ def gather(futures, devices, label: str, timeout: float | None = None, rows=(),
     * Where no chunk finishes for ``timeout`` seconds (an executor's ``stall_timeout``;
       ``None``: no bound), the chunks not started are cancelled and
       :class:`~parallel_backend.errors.EvaluationStalled` names the site, the seconds and
-      the ``rows`` (``[start, stop)`` per future) of the chunks still running.
+      the rows of the chunks still running (``rows()``: ``[start, stop)`` per future,
+      asked for only then).
     * Guard ``stall_probe``: where no chunk finishes for :data:`STALL_SECONDS`, a program
       of one addition is started on each device a pending chunk runs on; if one cannot
       start within :data:`PROBE_SECONDS`, :class:`~parallel_backend.errors.InFlightLimit`
@@ -239,8 +240,8 @@ def gather(futures, devices, label: str, timeout: float | None = None, rows=(),
                         raise InFlightLimit(label, STALL_SECONDS + PROBE_SECONDS) from None
                 if timeout is not None and time.monotonic() - since >= timeout and \
                         sum(f.done() for f in futures) == finished:
-                    pending = [r for f, r in zip(futures, rows or [()] * len(futures))
-                               if not f.done() and r]
+                    ranges = rows() if rows is not None else [()] * len(futures)
+                    pending = [r for f, r in zip(futures, ranges) if not f.done() and r]
                     for f in futures:
                         f.cancel()
                     raise EvaluationStalled(label, timeout, pending, executor) from None

@@ -1,7 +1,8 @@
 """The executor protocol: lifecycle, bookkeeping, and the hooks subclasses override.
 
 This module owns :class:`Executor`, a resource-owning context manager that
-evaluates chunk tasks and counts what it did. Subclasses (serial and thread here;
+evaluates chunk tasks and counts what it did, and :class:`TaskPool`, the threads that
+run its tasks in this process. Subclasses (serial and thread here;
 dask and device as plugins) override :meth:`Executor.run_tasks` and, where they
 need to, :attr:`Executor.workers`, :meth:`Executor.graph_partials`,
 :meth:`Executor.bytes_per_call`, :meth:`Executor.bytes_per_result` and
@@ -13,8 +14,10 @@ itself lives in :mod:`parallel_backend.host`, the graph/host decision in
 from __future__ import annotations
 
 import numbers
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import ClassVar
 
 import numpy as np
@@ -25,9 +28,8 @@ from ..guards import gather
 from ..routes import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
-from .pool import TaskPool
 
-__all__ = ["DISPATCH_MODES", "STALL_TIMEOUT", "Executor", "check_stall_timeout"]
+__all__ = ["DISPATCH_MODES", "STALL_TIMEOUT", "Executor", "TaskPool", "check_stall_timeout"]
 
 DISPATCH_MODES = ("auto", "graph", "host")
 #: Seconds an evaluation waits with no chunk finishing before it raises
@@ -46,6 +48,91 @@ def check_stall_timeout(value, where: str):
         raise ValueError(f"{where}: stall_timeout must be a positive number of seconds or "
                          f"None (wait forever), got {value!r}")
     return float(value)
+
+_STOP = object()
+
+
+class TaskPool:
+    """The threads that run an executor's chunk tasks in this process: ``threads``
+    daemon threads named ``name-<i>``, started at the first ``submit``.
+
+    A ``concurrent.futures``-shaped pool (``submit`` gives a ``Future``) whose threads
+    nothing joins without a bound: a chunk program that never returns (XLA waiting for
+    work that cannot start) holds one of them for good, and neither ``shutdown`` nor the
+    interpreter's exit may wait for it, as they would for a ``ThreadPoolExecutor``'s. An
+    executor whose evaluation stalled drops its pool (the stuck threads with it) and
+    starts a new one at its next evaluation.
+
+    Examples
+    --------
+    >>> pool = TaskPool(2, "example")
+    >>> pool.submit(pow, 2, 10).result()
+    1024
+    >>> pool.shutdown()
+    """
+
+    def __init__(self, threads: int, name: str):
+        self.threads, self.name = int(threads), name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn, *args) -> Future:
+        """``fn(*args)`` on one of the pool's threads."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"TaskPool {self.name!r} is shut down")
+            if not self._workers:
+                for i in range(self.threads):
+                    t = threading.Thread(target=self._work, name=f"{self.name}-{i}",
+                                         daemon=True)
+                    t.start()
+                    self._workers.append(t)
+            self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                    future.set_exception(e)
+            # Nothing of the task stays referenced while the thread waits for the next
+            # (its data would outlive the site that holds it).
+            del item, future, fn, args
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False,
+                 timeout: float | None = 10.0) -> None:
+        """Stop the threads once they are idle; ``cancel_futures``: cancel what has not
+        started. ``wait``: wait for the threads, at most ``timeout`` seconds in all (a
+        thread stuck in native code is left behind: a daemon, it holds up nothing)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP:
+                    item[0].cancel()
+        for _ in workers:
+            self._queue.put(_STOP)
+        if wait:
+            end = None if timeout is None else time.monotonic() + timeout
+            for t in workers:
+                t.join(None if end is None else max(0.0, end - time.monotonic()))
+
 
 class Executor:
     """Base class of every executor.
@@ -120,7 +207,8 @@ class Executor:
         try:
             return gather(futures, [t.resident.device for t in tasks], spec.label,
                           self.stall_timeout,
-                          [spec.rows(t.chunk.first, t.chunk.count) for t in tasks], self.name)
+                          lambda: [spec.rows(t.chunk.first, t.chunk.count) for t in tasks],
+                          self.name)
         except EvaluationStalled:
             tasks[0].site.stalled = True
             self.drop_pool(pool)

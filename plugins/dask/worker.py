@@ -265,7 +265,7 @@ async def _evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sh
     try:
         results = await loop.run_in_executor(
             None, gather, futures, [residents[t[0]].device for t in tasks], spec.label,
-            stall_timeout, [spec.rows(t[1].first, t[1].count) for t in tasks], "dask")
+            stall_timeout, lambda: [spec.rows(t[1].first, t[1].count) for t in tasks], "dask")
     except EvaluationStalled as e:  # arrives as itself; the next evaluation gets new threads
         state.drop_pool(pool)
         return Reply(ERROR, error=e)

@@ -232,7 +232,8 @@ class DeviceExecutor(Executor):
         try:
             results = gather(futures, [share.device for share in shares], state.spec.label,
                              self.stall_timeout,
-                             [state.spec.rows(s.chunk.first, s.chunk.count) for s in shares],
+                             lambda: [state.spec.rows(s.chunk.first, s.chunk.count)
+                                      for s in shares],
                              self.name)
         except EvaluationStalled:
             state.stalled = True
