@@ -309,22 +309,93 @@ def tree_sum(x, axis: int = 0):
     return x[0]
 
 
-def cpu_count() -> int:
-    """Cores this process may run on (its affinity mask where the OS has one)."""
+def affinity_count() -> int:
+    """Cores this process may run on by its affinity mask (where the OS has one): what
+    XLA sizes its CPU thread pool by."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
 
+def cpu_quota(root: str = "/sys/fs/cgroup", cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs this process's cgroup may use: the tightest CPU quota over its period along
+    its cgroup path (``cpu.max`` of cgroup v2, ``cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us`` of v1's ``cpu`` controller), or ``None`` where none is set
+    (a container limited to 2 CPUs on a 64-core node has a quota of 2).
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> os.makedirs(os.path.join(root, "job"))
+    >>> _ = open(os.path.join(root, "job", "cpu.max"), "w").write("150000 100000\n")
+    >>> _ = open(os.path.join(root, "self"), "w").write("0::/job\n")
+    >>> cpu_quota(root, os.path.join(root, "self"))
+    1.5
+    """
+    try:
+        with open(cgroup) as f:
+            lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    found = []
+    for _, controllers, path in lines:
+        if controllers == "":  # v2: one hierarchy
+            dirs, read = [root], _quota_v2
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            dirs = [os.path.join(root, name) for name in
+                    (controllers, "cpu", "cpu,cpuacct", "cpuacct,cpu")]
+            read = _quota_v1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for base in dict.fromkeys(dirs):
+            for depth in range(len(parts), -1, -1):  # the cgroup and each one above it
+                quota = read(os.path.join(base, *parts[:depth]))
+                if quota is not None:
+                    found.append(quota)
+    return min(found) if found else None
+
+
+def _quota_v2(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+    except OSError:
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _quota_v1(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def cpu_count() -> int:
+    """Cores this process may use: its affinity mask, less where its cgroup's CPU quota
+    is lower (rounded up). What worker counts default to; a site's form and blocks
+    follow XLA's pool (:func:`xla_threads`) instead, so that a quota never changes a bit."""
+    cores = affinity_count()
+    quota = cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
 def xla_threads() -> int:
     """Threads of XLA's CPU thread pool in this process: ``NPROC`` (or
-    ``PJRT_NPROC``) where set, else the cores this process may run on."""
+    ``PJRT_NPROC``) where set, else the cores of its affinity mask (XLA reads no cgroup
+    quota)."""
     for name in ("PJRT_NPROC", "NPROC"):
         value = os.environ.get(name, "")
         if value.strip().isdigit() and int(value) > 0:
             return int(value)
-    return cpu_count()
+    return affinity_count()
 
 
 def accelerator() -> bool:

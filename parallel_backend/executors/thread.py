@@ -19,7 +19,8 @@ class ThreadExecutor(Executor):
     Parameters
     ----------
     workers : int, optional
-        Threads in the pool; ``None`` means every core this process may use.
+        Threads in the pool; ``None`` means every core this process may use (its
+        affinity mask, or its container's CPU quota where that is lower).
     dispatch : {"auto", "host", "graph"}
         ``"auto"`` (default): the threads where XLA leaves cores idle (a likelihood
         evaluated block by block, in two tiles or more), the graph

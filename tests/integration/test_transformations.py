@@ -112,8 +112,14 @@ def check(order, kind, executor):
         f"{order} of pb.{kind}: the executor evaluated nothing")
 
 
+#: The default run takes every order on the threads' host callback (the route with the
+#: most of its own machinery); the slow lane the other executors too.
+ROUTES = [pytest.param(name, marks=() if name == "thread2-host" else pytest.mark.slow)
+          for name in EXECUTORS]
+
+
 @pytest.mark.parametrize("kind", ["observe", "factor"])
-@pytest.mark.parametrize("name", list(EXECUTORS))
+@pytest.mark.parametrize("name", ROUTES)
 @pytest.mark.parametrize("order", list(ORDERS))
 def test_every_transformation_order_equals_plain(order, name, kind, x64):
     with EXECUTORS[name]() as ex:

@@ -272,3 +272,49 @@ def test_row_reduce_cap_reads_only_reductions_within_rows():
         np.log2(ROW_REDUCE_BYTES // (3 * y.dtype.itemsize)))
     over_rows = jax.make_jaxpr(lambda y, mu: jnp.sum(y[:, None] * mu, axis=0).sum() + y)(y, mu)
     assert row_reduce_cap(over_rows, rows) == 0
+
+
+# -- the machine: worker counts follow a container's CPU quota ---------------------------
+
+
+def _cgroup(tmp_path, own: str, files: dict) -> tuple[str, str]:
+    """A cgroup tree under ``tmp_path`` (``files``: path -> content) and a
+    ``/proc/self/cgroup`` naming ``own``; returns ``(root, proc file)``."""
+    root = tmp_path / "cgroup"
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    proc = tmp_path / "self"
+    proc.write_text(own)
+    return str(root), str(proc)
+
+
+def test_cpu_quota_reads_cgroup_v2_and_v1_and_takes_the_tightest(tmp_path):
+    from parallel_backend.blocks import cpu_quota
+
+    root, proc = _cgroup(tmp_path / "v2", "0::/pod/job\n",
+                         {"pod/cpu.max": "400000 100000\n", "pod/job/cpu.max": "max 100000\n"})
+    assert cpu_quota(root, proc) == 4.0  # the job has none, its pod has 4 CPUs
+    root, proc = _cgroup(tmp_path / "v1", "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n",
+                         {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
+                          "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+                          "cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                          "cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert cpu_quota(root, proc) == 2.0
+    root, proc = _cgroup(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert cpu_quota(root, proc) is None
+    assert cpu_quota(str(tmp_path / "missing"), str(tmp_path / "missing" / "self")) is None
+
+
+def test_worker_counts_follow_the_quota_and_xla_threads_the_affinity(monkeypatch):
+    """A quota lowers the default worker count, never the threads XLA's pool has (which a
+    site's form reads), so it changes no bit."""
+    from parallel_backend import blocks
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setattr(blocks, "affinity_count", lambda: 64)
+    monkeypatch.setattr(blocks, "cpu_quota", lambda: 1.5)
+    assert blocks.cpu_count() == 2 and blocks.xla_threads() == 64
+    monkeypatch.setattr(blocks, "cpu_quota", lambda: None)
+    assert blocks.cpu_count() == 64
