@@ -10,11 +10,11 @@ rules, one per derivative order:
   times the gradients) and maps it for ``jacfwd``;
 * **second order**, the rule of :func:`value_and_grads` (what differentiating the first
   rule again reaches): per-block Hessian-vector products computed by the route's own
-  block programs (:func:`symmetric_product`: the Hessian is symmetric, so the product is
-  its own transpose and reverse over reverse runs as forward over reverse does), or,
-  where the route says so (:attr:`.routes.Route.autodiff_products`), JAX's autodiff of the
-  blocked sum; third and higher orders are JAX's autodiff of the blocked sum
-  (:func:`blocked_sum`, the twin).
+  block programs (:func:`symmetric_product`, a primitive: the Hessian is symmetric, so
+  the product is its own transpose and reverse over reverse runs as forward over reverse
+  does), or, where the route says so (:attr:`.routes.Route.autodiff_products`), JAX's
+  autodiff of the blocked sum; third and higher orders, in every order of forward and
+  reverse mode, are JAX's autodiff of the blocked sum (:func:`blocked_sum`, the twin).
 
 Every route's partials meet in one place, :func:`.tasks.combine` (block order), behind
 guard ``fence``. Imports jax, numpy and the core below it.
@@ -26,18 +26,26 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from .batching import site_batching
 from .guards import fence, one_program
-from .internals import is_tracer
+from .internals import (
+    NOT_MAPPED,
+    core_aval,
+    define_primitive,
+    is_tracer,
+    is_undefined,
+    is_zero,
+    move_batch_axis,
+    zeros_of,
+)
 from .routes import Wrt
 from .spec import kept, merge
 from .tasks import combine
 
-__all__ = ["blocked_sum", "linear_zeros", "site_value", "site_value_and_grads",
+__all__ = ["blocked_sum", "site_value", "site_value_and_grads",
            "symmetric_product", "tangent_of", "value_and_grads_of"]
 
 
@@ -128,14 +136,13 @@ class _Rules:
         every route: the same bits."""
         along = Wrt(tuple(d or t is not None for d, t in zip(wrt.traced, tt)),
                     tuple(d or t is not None for d, t in zip(wrt.shared, ts)))
-        some = next(t for t in (*tt, *ts) if t is not None)  # the rule runs for one at least
-        vectors = tuple(tuple(linear_zeros(x, some) if t is None else t
+        vectors = tuple(tuple(jnp.zeros(jnp.shape(x), jnp.result_type(x)) if t is None else t
                               for x, t in zip(kept(xs, u), kept(ts_, u)))
                         for xs, ts_, u in ((traced, tt, along.traced),
                                            (shared, ts, along.shared)))
 
-        def apply(at, b):
-            _, hs, ht = combine(*self.route.products(*at, choice, along, b))
+        def apply(aux, at, b):
+            _, hs, ht = combine(*self.route.products(*at, aux[0] if aux else None, along, b))
             return tuple(ht), tuple(hs)
 
         def twin(at, b):
@@ -144,7 +151,8 @@ class _Rules:
                                    merge((None,) * len(along.shared), b[1], along.shared))
             return tuple(ht), tuple(hs)
 
-        ht, hs = symmetric_product(apply, twin, (traced, shared), vectors)
+        ht, hs = symmetric_product(apply, twin, (traced, shared), vectors,
+                                   aux=() if choice is None else (choice,))
         # The value's tangent: the gradients (of every leaf with a tangent) dotted with it.
         g = out if along == wrt else self.value_and_grads(traced, shared, choice, along)
         dv = _dotted(out[0], [*zip(g[1], kept(tt, along.traced)),
@@ -200,69 +208,120 @@ def tangent_of(blocked, dt, ds, traced, shared, tt, ts):
                    (tuple(kept(tt, ft)), tuple(kept(ts, fs))))[1]
 
 
-def linear_zeros(like, t):
-    """Zeros shaped like ``like``, linear in ``t``: reverse mode transposes a product only
-    where every part of its tangent depends on the tangents it traces back to (a constant
-    zero there fails JAX's transpose of the linear solve in :func:`symmetric_product`)."""
-    none = jnp.ravel(t)[:0].astype(jnp.result_type(like))
-    return lax.pad(none, jnp.zeros((), none.dtype), [(0, int(np.prod(jnp.shape(like))), 0)]
-                   ).reshape(jnp.shape(like))
-
-
-def symmetric_product(apply, twin, primals, tangent):
-    """``H(primals) @ tangent`` for a symmetric ``H``, computed by ``apply(primals,
+def symmetric_product(apply, twin, primals, tangent, aux=()):
+    """``H(primals) @ tangent`` for a symmetric ``H``, computed by ``apply(aux, primals,
     tangent)`` (a host callback, or the graph's block programs), as a map JAX can
-    differentiate.
+    differentiate to every order. ``aux``: arrays ``apply`` reads that have no
+    derivative (a site's traced route choice); ``tangent`` and the product have the same
+    structure.
 
-    For JAX the product is linear in ``tangent`` and is its own transpose, so forward and
-    reverse mode both call ``apply`` (under ``vmap``, once for a batch of tangents). Its
-    derivative in ``primals`` (third order) is ``twin``'s, the same product in plain JAX.
-    ``tangent`` and the product have the same structure.
+    The product is one JAX primitive (:data:`.internals.Primitive`) with the rules a
+    linear map in ``tangent`` needs: its transpose is itself (``H`` is symmetric, so
+    reverse mode calls ``apply`` as forward mode does), ``vmap`` maps ``apply`` (once for
+    a batch of tangents), and its derivative in ``primals`` (the third order) is
+    ``twin``'s, the same product in plain JAX. The plain code it replaces,
+    ``jax.jvp(jax.grad(f), (primals,), (tangent,))``, cannot run through a host
+    callback; a ``lax.custom_linear_solve`` with ``apply`` as its solve transposes but
+    freezes what its solve reads, so a third derivative taken after a reverse pass lost
+    the product's dependence on ``primals``.
     """
-    fixed = lax.stop_gradient(primals)  # ``primals`` reach the product through ``higher``
-    # A linear solve for its transpose rule alone: ``solve`` is the product, its own
-    # transpose (``symmetric``); ``matvec`` (the inverse of H) is never evaluated.
-    product = lax.custom_linear_solve(lambda b: b, _dense_tangents(tangent),
-                                      lambda _, b: apply(fixed, b), symmetric=True)
-
-    @jax.custom_jvp
-    def higher(primals, tangent, product):
-        return product
-
-    def higher_jvp(args, tangents):
-        primals, tangent, product = args
-        d_primals, _, d_product = tangents  # d_tangent reached d_product (linear in it)
-        out, out_tree = jax.tree.flatten(product)
-        terms = [out_tree.flatten_up_to(d_product)]
-        leaves, tree = jax.tree.flatten(primals)
-        d_leaves = tree.flatten_up_to(d_primals)
-        moved = [not isinstance(d, SymbolicZero) for d in d_leaves]
-        if any(moved):
-            def at(xs):
-                return twin(jax.tree.unflatten(tree, merge(leaves, xs, moved)), tangent)
-
-            third = jax.jvp(at, (tuple(kept(leaves, moved)),), (tuple(kept(d_leaves, moved)),))[1]
-            terms.append(out_tree.flatten_up_to(third))
-        sums = []
-        for x, *parts in zip(out, *terms):
-            parts = [p for p in parts if not isinstance(p, SymbolicZero)]
-            sums.append(functools.reduce(jnp.add, parts) if parts else jnp.zeros_like(x))
-        return product, jax.tree.unflatten(out_tree, sums)
-
-    higher.defjvp(higher_jvp, symbolic_zeros=True)
-    return higher(primals, tangent, product)
+    p, p_tree = jax.tree.flatten(primals)
+    b, b_tree = jax.tree.flatten(tangent)
+    rule = _Product(apply, twin, p_tree, b_tree, len(aux), len(p))
+    out = _product_p.bind(*aux, *p, *b, rule=rule)
+    return jax.tree.unflatten(b_tree, out)
 
 
-@jax.custom_jvp
-def _dense_tangents(x):
-    """``x``, whose tangent has no symbolic zero in some leaves and not in others: the
-    linear solve's forward rule passes such a zero on as if it were an array."""
-    return x
+class _Product:
+    """The parameter of one :func:`symmetric_product`: its two functions and how its
+    operands (``aux``, the primals' leaves, the tangent's leaves) split."""
+
+    def __init__(self, apply, twin, p_tree, b_tree, n_aux, n_p):
+        self.apply, self.twin = apply, twin
+        self.p_tree, self.b_tree, self.n_aux, self.n_p = p_tree, b_tree, n_aux, n_p
+
+    def split(self, ops):
+        ops = list(ops)
+        return ops[:self.n_aux], ops[self.n_aux:self.n_aux + self.n_p], \
+            ops[self.n_aux + self.n_p:]
+
+    def flat_apply(self, *ops):
+        aux, p, b = self.split(ops)
+        out = self.apply(tuple(aux), jax.tree.unflatten(self.p_tree, p),
+                         jax.tree.unflatten(self.b_tree, b))
+        return self.b_tree.flatten_up_to(out)
+
+    def flat_twin(self, p, b):
+        out = self.twin(jax.tree.unflatten(self.p_tree, p), jax.tree.unflatten(self.b_tree, b))
+        return self.b_tree.flatten_up_to(out)
+
+    def batched(self, axes):
+        """This product of a batch (every operand's batch axis first or ``None``): both
+        functions mapped."""
+        n = self.n_aux + self.n_p
+        ap, bp = axes[self.n_aux:n], axes[n:]
+        outer = self
+
+        class Batched(_Product):
+            def flat_apply(self, *ops):
+                return jax.vmap(outer.flat_apply, in_axes=axes)(*ops)
+
+            def flat_twin(self, p, b):
+                return jax.vmap(lambda p, b: outer.flat_twin(list(p), list(b)),
+                                in_axes=(tuple(ap), tuple(bp)))(tuple(p), tuple(b))
+
+        return Batched(None, None, self.p_tree, self.b_tree, self.n_aux, self.n_p)
 
 
-@_dense_tangents.defjvp
-def _dense_tangents_jvp(primals, tangents):  # without symbolic_zeros: JAX fills in zeros
-    return primals[0], tangents[0]
+def _product_impl(*ops, rule):
+    return rule.flat_apply(*ops)
+
+
+def _product_abstract(*avals, rule):
+    return [core_aval(a) for a in rule.split(avals)[2]]
+
+
+def _product_jvp(primals, tangents, *, rule):
+    out = _product_p.bind(*primals, rule=rule)
+    aux, p, b = rule.split(primals)
+    _, dp, db = rule.split(tangents)
+    terms = []
+    if any(not is_zero(t) for t in db):
+        db = [zeros_of(t) if is_zero(t) else t for t in db]
+        terms.append(_product_p.bind(*aux, *p, *db, rule=rule))
+    moved = [not is_zero(d) and _is_float(x) for x, d in zip(p, dp)]
+    if any(moved):
+        def at(xs):
+            return rule.flat_twin(merge(p, xs, moved), b)
+
+        terms.append(jax.jvp(at, (tuple(kept(p, moved)),), (tuple(kept(dp, moved)),))[1])
+    if not terms:
+        return out, [jnp.zeros_like(x) for x in out]
+    return out, [functools.reduce(jnp.add, parts) for parts in zip(*terms)]
+
+
+def _product_transpose(cts, *ops, rule):
+    aux, p, b = rule.split(ops)
+    cts = [zeros_of(ct) if is_zero(ct) else ct for ct in cts]
+    out = _product_p.bind(*aux, *p, *cts, rule=rule)
+    return [None] * (len(aux) + len(p)) + [o if is_undefined(x) else None
+                                            for o, x in zip(out, b)]
+
+
+def _product_batch(args, dims, *, rule):
+    size = next(jnp.shape(x)[d] for x, d in zip(args, dims) if d is not NOT_MAPPED)
+    aux, p, b = rule.split([move_batch_axis(x, d) for x, d in zip(args, dims)])
+    axes = rule.split([None if d is NOT_MAPPED else 0 for d in dims])
+    # Every tangent leaf batched: the product of a batch is a batch.
+    b = [x if a == 0 else jnp.broadcast_to(x, (size,) + jnp.shape(x))
+         for x, a in zip(b, axes[2])]
+    out = _product_p.bind(*aux, *p, *b,
+                          rule=rule.batched((*axes[0], *axes[1], *([0] * len(b)))))
+    return out, [0] * len(out)
+
+
+_product_p = define_primitive("pb_symmetric_product", _product_impl, _product_abstract,
+                              _product_jvp, _product_transpose, _product_batch)
 
 
 def blocked_sum(spec, resident, traced, shared):

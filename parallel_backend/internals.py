@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import jax
 import jax.extend.core as _jex
+import jax.numpy as jnp
 from jax.custom_batching import custom_vmap as _custom_vmap
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
 
 __all__ = [
     "CALLS",
     "CUSTOM_RULES",
     "HOST_CODE",
     "LAPACK",
+    "NOT_MAPPED",
     "SCAN",
     "VJP_RULES",
     "WHILE",
@@ -28,10 +33,16 @@ __all__ = [
     "DebugInfo",
     "Jaxpr",
     "Literal",
+    "core_aval",
     "custom_vmap",
+    "define_primitive",
     "is_tracer",
+    "is_undefined",
+    "is_zero",
     "jaxpr_as_fun",
     "jaxprs_in_params",
+    "move_batch_axis",
+    "zeros_of",
 ]
 
 #: A constant operand of a jaxpr equation (``jax.extend.core``, unstable).
@@ -73,3 +84,50 @@ def is_tracer(x) -> bool:
     """Whether ``x`` is a JAX tracer (an abstract value inside ``jit``, ``grad``,
     ``vmap``) rather than a concrete array (``jax.core.Tracer``)."""
     return isinstance(x, jax.core.Tracer)
+
+
+# -- a primitive of the package's own (the symmetric product of .derivatives) ----------------
+# ``jax.extend.core.Primitive`` and the rule tables of ``jax.interpreters`` (ad, batching,
+# mlir): the way JAX documents for a primitive with its own derivative, transpose and
+# batching rules.
+
+#: The batch axis of an operand that ``vmap`` does not map.
+NOT_MAPPED = None
+
+
+def define_primitive(name, impl, abstract_eval, jvp, transpose, batch):
+    """A JAX primitive of several results with these rules (``impl`` also lowers it)."""
+    prim = _jex.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    _ad.primitive_jvps[prim] = jvp
+    _ad.primitive_transposes[prim] = transpose
+    _batching.primitive_batchers[prim] = batch
+    _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=True))
+    return prim
+
+
+def core_aval(aval):
+    """An operand's abstract value as a result's (``ShapedArray``)."""
+    return aval
+
+
+def is_zero(t) -> bool:
+    """Whether a tangent or cotangent is JAX's symbolic zero."""
+    return type(t) is _ad.Zero
+
+
+def zeros_of(t):
+    """Zeros for a symbolic zero ``t``, as an array."""
+    return jnp.zeros(t.aval.shape, t.aval.dtype)
+
+
+def is_undefined(x) -> bool:
+    """Whether a transpose rule's operand is the linear input (undefined primal)."""
+    return _ad.is_undefined_primal(x)
+
+
+def move_batch_axis(x, d):
+    """``x`` with its batch axis ``d`` first (unchanged where ``d`` is :data:`NOT_MAPPED`)."""
+    return x if d is NOT_MAPPED else jnp.moveaxis(x, d, 0)

@@ -314,3 +314,45 @@ def test_laplace_approximation_matches_plain_model(x64):
     np.testing.assert_allclose(m1, m0, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(c1, c0, rtol=1e-6, atol=1e-10)
     assert np.all(np.linalg.eigvalsh(np.asarray(c1)) > 0)
+
+
+#: Every order of three modes on the threads' host route (reverse over reverse over
+#: reverse, an order that once lost a term, by default; the rest in the slow lane), and
+#: that order on the graph route.
+THIRD_ORDERS = [pytest.param("thread2-host", o, marks=() if o == "rrr" else pytest.mark.slow,
+                             id=f"thread2-host-{o}")
+                for o in ("fff", "ffr", "frf", "frr", "rff", "rfr", "rrf", "rrr")] + [
+    pytest.param("serial", "rrr", marks=pytest.mark.slow, id="serial-rrr")]
+
+
+@pytest.mark.parametrize(("executor", "order"), THIRD_ORDERS, indirect=["executor"])
+def test_every_order_of_three_derivatives_matches_unsplit_sum(x64, executor, assert_close,
+                                                              order):
+    """Third derivatives in every order of forward and reverse mode, in the parameters
+    and in a traced data leaf (the weights whose gradient is a pb.observe site's rows):
+    a reverse pass over the Hessian-vector product, differentiated once more, keeps the
+    product's dependence on the parameters (HMCECS's Taylor proxy takes the Hessian of
+    the rows so)."""
+    x = jnp.linspace(-1.0, 1.0, 40)
+    w0 = jnp.linspace(0.5, 1.5, 40)
+    t0 = jnp.array([0.7, 1.3])
+
+    def fn(rows, t):
+        x, w = rows
+        return w * jnp.sin(t[0] * x) * t[1] ** 3 + w ** 2 * t[0] ** 3
+
+    def split(w, t):
+        return pb.reduce_sum(fn, (x, w), t, executor=executor, block_rows=16)
+
+    def unsplit(w, t):
+        return jnp.sum(fn((x, w), t))
+
+    modes = {"f": jax.jacfwd, "r": jax.jacrev}
+    for args in ((1, 1, 1), (0, 1, 1)):
+        def third(f, args=args):
+            g = f
+            for m, a in zip(reversed(order), reversed(args)):
+                g = modes[m](g, argnums=a)
+            return g(w0, t0)
+
+        assert_close(third(split), third(unsplit), rtol=1e-10)

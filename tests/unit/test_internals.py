@@ -85,6 +85,37 @@ def test_is_tracer_inside_and_outside_transformations():
     assert seen == [True, True] and not internals.is_tracer(jnp.ones(2)), VERSION
 
 
+def test_a_primitive_of_our_own_differentiates_transposes_batches_and_compiles():
+    """``define_primitive``: JAX's rule tables (``jax.interpreters``' ad, batching, mlir)
+    and ``jax.extend.core.Primitive`` take a linear primitive, here ``x -> 3 x``."""
+    def impl(x):
+        return [3.0 * x]
+
+    def jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        t = internals.zeros_of(t) if internals.is_zero(t) else t
+        return triple.bind(x), triple.bind(t)
+
+    def transpose(cts, x):
+        assert internals.is_undefined(x), VERSION
+        (ct,) = cts
+        return [triple.bind(internals.zeros_of(ct) if internals.is_zero(ct) else ct)[0]]
+
+    def batch(args, dims):
+        (x,), (d,) = args, dims
+        return triple.bind(internals.move_batch_axis(x, d)), [0]
+
+    triple = internals.define_primitive(
+        "pb_test_triple", impl, lambda x: [internals.core_aval(x)], jvp, transpose, batch)
+    f = lambda x: triple.bind(x)[0].sum()  # noqa: E731
+    x = jnp.arange(4.0)
+    assert float(jax.jit(f)(x)) == 18.0, VERSION
+    assert np.array_equal(jax.grad(f)(x), 3 * np.ones(4)), VERSION
+    assert np.array_equal(jax.vmap(jax.grad(f), in_axes=1)(jnp.ones((4, 2))),
+                          3 * np.ones((2, 4))), VERSION
+    assert float(jax.jvp(f, (x,), (jnp.ones(4),))[1]) == 12.0, VERSION
+
+
 def test_the_primitive_names_held_as_strings_are_jaxs():
     x = jnp.ones((3, 3)) + jnp.eye(3) * 3
 
