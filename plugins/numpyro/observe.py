@@ -297,13 +297,18 @@ def rows_asked(name: str) -> bool:
     """Whether a handler around site ``name`` reads its rows one by one where its
     log-density is differentiated, so that ``log_prob`` must give each row's own value
     and derivatives (:class:`ObservedRows`): :class:`pointwise`, ``handlers.scale`` with
-    one weight per row, or HMCECS's likelihood estimator with a proxy. A handler that
+    one weight per row, HMCECS's likelihood estimator with a proxy, or a
+    ``handlers.block`` that hides the site (the code that hides a site reads it itself:
+    HMCECS's Taylor proxy takes the Jacobian and Hessian of its rows). A handler that
     sets a per-row scale otherwise is caught after the fact (:class:`.replay.honour_plates`
     raises an error that names :class:`pointwise`)."""
     for h in handler_stack():
         if isinstance(h, pointwise) and h.asks(name):
             return True
         if isinstance(h, numpyro.handlers.scale) and jnp.size(h.scale) != 1:
+            return True
+        if isinstance(h, numpyro.handlers.block) and h.hide_fn(
+                {"name": name, "type": "sample", "is_observed": True}):
             return True
     return under_ecs_proxy()
 
@@ -314,9 +319,9 @@ class pointwise(Messenger):
     site's rows one by one inside a gradient (``TraceGraph_ELBO`` with a guide site in
     the rows' plate that is not reparameterized, a ``jax.grad`` of
     ``numpyro.infer.log_likelihood``). Elsewhere a differentiated ``pb.observe`` site
-    gives its rows' sum (see :class:`ObservedRows`), which is all NumPyro's
+    gives its rows' sum (see ``ObservedRows``), which is all NumPyro's
     ``log_density`` reads; per-row ``handlers.scale`` weights and HMCECS's proxy are
-    recognised without it. ``names`` limits it to those sites. A gradient then costs a
+    recognised without it, as is a site that ``handlers.block`` hides. ``names`` limits it to those sites. A gradient then costs a
     Hessian-vector product more, and the rows' values travel from the executor.
 
     Examples
