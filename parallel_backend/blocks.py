@@ -319,7 +319,7 @@ def affinity_count() -> int:
 
 
 def cpu_quota(root: str = "/sys/fs/cgroup", cgroup: str = "/proc/self/cgroup") -> float | None:
-    """CPUs this process's cgroup may use: the tightest CPU quota over its period along
+    r"""CPUs this process's cgroup may use: the tightest CPU quota over its period along
     its cgroup path (``cpu.max`` of cgroup v2, ``cpu.cfs_quota_us`` and
     ``cpu.cfs_period_us`` of v1's ``cpu`` controller), or ``None`` where none is set
     (a container limited to 2 CPUs on a 64-core node has a quota of 2).

@@ -157,7 +157,7 @@ class Executor:
     stall_timeout : float or None
         Seconds an evaluation on the executor's workers waits with no chunk finishing
         before it raises :class:`~parallel_backend.errors.EvaluationStalled` (default
-        :data:`STALL_TIMEOUT`, 300); ``None`` waits forever.
+        ``STALL_TIMEOUT``, 300); ``None`` waits forever.
     """
 
     name: ClassVar[str] = "base"
