@@ -201,14 +201,25 @@ def _wait_probed(ex, address: str, seconds: float = 90.0) -> None:
     assert address in ex._probe.workers, f"{address} never reported its probe"
 
 
+def _capped_isa() -> str:
+    """An instruction set below this machine's best that XLA can be capped at: AVX2 on an
+    AVX-512 machine, AVX on an AVX2 one (either drops the fused multiply-add or wider
+    vectors, so the bits change)."""
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    return "AVX2" if "avx512f" in flags else "AVX"
+
+
 def test_worker_on_another_cpu_is_named(netcluster):
-    """XLA's target capped at AVX2 on a host of this AVX-512 machine makes it another CPU
-    as far as the bits go: named in a warning when the executor is made, and a host that
-    joins later with another target is found by its probe at join; a like one is not."""
-    cluster = netcluster({"threads": 1}, {"threads": 1, "xla_flags": "--xla_cpu_max_isa=AVX2"})
+    """XLA's target capped below this machine's instruction set on one host makes it
+    another CPU as far as the bits go: named in a warning when the executor is made, and
+    a host that joins later with another target is found by its probe at join; a like
+    one is not."""
+    isa = _capped_isa()
+    cluster = netcluster({"threads": 1}, {"threads": 1, "xla_flags": f"--xla_cpu_max_isa={isa}"})
     other = cluster.workers()[1].address
     with pytest.warns(RuntimeWarning, match=rf"1 worker\(s\) compute other bits.*"
-                                            rf"{other.replace('.', r'[.]')}.*max_isa=AVX2"):
+                                            rf"{other.replace('.', r'[.]')}.*max_isa={isa}"):
         ex = pb.DaskExecutor(address=cluster.address, timeout=30)
     with ex, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
