@@ -82,12 +82,10 @@ ORDERS = {
         jnp.stack([b, 0.5 * b, -b])),
 }
 
-#: The executors and routes: the graph (serial, threads deciding themselves) and the host
-#: callback (one thread, two threads). Graph evaluations are counted (``count_calls``).
+#: The two routes: the graph (the serial executor; graph evaluations are counted with
+#: ``count_calls``) and the host callback (two threads). A dask cluster below.
 EXECUTORS = {
     "serial": lambda: pb.SerialExecutor(count_calls=True),
-    "thread2": lambda: pb.ThreadExecutor(2, count_calls=True),
-    "serial-host": lambda: pb.SerialExecutor(dispatch="host"),
     "thread2-host": lambda: pb.ThreadExecutor(2, dispatch="host"),
 }
 

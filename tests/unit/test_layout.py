@@ -226,3 +226,40 @@ def test_the_package_is_one_pure_python_wheel(tmp_path):
     assert "parallel_backend/plugins/sample/run.py" in names
     assert not [n for n in names if n.startswith("plugins/")]  # no top-level `plugins`
     assert not list(CORE.rglob("*.c")) and not (ROOT / "setup.py").exists()
+
+
+def _ci_selections() -> list[str]:
+    """The marker expressions CI's lanes run: the default run's (pyproject.toml's
+    ``addopts``) and every ``-m`` of ``.ci/run``, shell variables resolved."""
+    import re
+    import shlex
+    import tomllib
+
+    root = ROOT
+    addopts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["addopts"]
+    args = shlex.split(addopts)
+    found = [args[args.index("-m") + 1]]
+    ci = (root / ".ci" / "run").read_text()
+    variables = dict(re.findall(r'^\s*([A-Z_]+)="([^"$]*)"\s*$', ci, flags=re.MULTILINE))
+    for expr in re.findall(r'-m\s+"([^"]+)"', ci):
+        found.append(variables.get(expr.lstrip("$").strip("{}"), expr))
+    return found
+
+
+def test_every_marker_runs_in_some_ci_lane():
+    """GPU tests aside, each marker of pyproject.toml is selected by some lane of
+    ``.ci/run`` (a test that CI never runs protects nothing)."""
+    import tomllib
+
+    root = ROOT
+    markers = [m.split(":")[0].strip() for m in tomllib.loads(
+        (root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]]
+    selections = _ci_selections()
+    assert len(selections) >= 3, selections
+    for marker in markers:
+        if marker == "gpu":
+            continue
+        env = {m: m == marker for m in markers}
+        assert any(eval(expr, {"__builtins__": {}}, env) for expr in selections), (
+            f"no lane of .ci/run runs the tests marked {marker!r}: {selections}")
