@@ -30,7 +30,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from .batching import site_batching
-from .guards import fence, one_program
+from .guards import fence
 from .internals import (
     NOT_MAPPED,
     core_aval,
@@ -165,8 +165,8 @@ def _combined(values, shared_grads, data_grads):
     return fence(combine(values, shared_grads, data_grads))
 
 
-#: ``fence(combine(...))`` of partials computed eagerly, as one program (guard ``one_program``).
-_finish = one_program(_combined)
+#: ``fence(combine(...))`` of partials computed eagerly, as one compiled program.
+_finish = jax.jit(_combined)
 
 
 def _dotted(v, pairs):

@@ -52,7 +52,7 @@ from .chunking import AdaptiveChunker, Chunk, chunks_within, even_slots, split_t
 from .errors import ChunkError, EvaluationStalled, InFlightLimit, check_count
 from .executors.base import STALL_TIMEOUT, Executor, TaskPool, check_stall_timeout, site_stats
 from .executors.registry import resolve_executor
-from .guards import fence, gather, hide, hide_bounds
+from .guards import fence, gather, hide
 from .internals import is_tracer
 from .reduce import RowSum, reduce_rows
 from .routes import GRAPH, HOST, Choice, Slots, carried, choose
@@ -103,7 +103,6 @@ __all__ = [
     "fence",
     "gather",
     "hide",
-    "hide_bounds",
     "host_device",
     "is_tracer",
     "pad_blocks",

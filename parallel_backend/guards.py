@@ -40,8 +40,6 @@ __all__ = [
     "fence",
     "gather",
     "hide",
-    "hide_bounds",
-    "one_program",
     "pin",
 ]
 
@@ -63,20 +61,10 @@ GUARDS = {
             "folding), rounded otherwise than a host chunk program computes it from the data "
             "it receives at run time (y * 0.7 + 0.3, recomputed in every block: jax 0.10 and "
             "0.12)",
-    "hide_bounds": "XLA specializes a loop over blocks whose bounds are constants (it "
-                   "knows the trip count, and removes a loop of one block; jax 0.10 and "
-                   "0.12) unlike the host chunk program, whose bounds are arguments; no bit "
-                   "was seen to change by it",
     "stall_probe": "a host callback's chunk programs wait for a place among those XLA "
                    "keeps for programs in flight; where the caller queued operations on "
                    "the callback's result before it was ready, those places never free "
                    "and the callback would wait forever (jax 0.10 and 0.12)",
-    "one_program": "op by op (outside jit), each operation compiles as a program of its "
-                   "own: the partials' additions and the fence could round unlike the same "
-                   "operations inside one compiled program, and on the host route the "
-                   "operations queued after a callback could take every place XLA keeps for "
-                   "programs in flight, so that the callback's chunk programs never start; "
-                   "neither shows with the guard removed on jax 0.10 or 0.12",
 }
 
 _disabled: set = set()
@@ -91,8 +79,7 @@ def enabled(name: str) -> bool:
 def disabled(*names: str):
     """A block in which the guards ``names`` are off, process-wide: programs traced (and
     chunk programs compiled) inside it are built without them. For the tests that show
-    what each guard answers; never for users. ``one_program`` is read at each call, so
-    it is off inside the block also for programs made before it.
+    what each guard answers; never for users.
 
     Examples
     --------
@@ -172,25 +159,6 @@ def hide(*trees):
     if not enabled("hide"):
         return trees
     return lax.optimization_barrier(trees)
-
-
-def hide_bounds(first: int, count: int):
-    """``(first, count)`` as int32 values XLA cannot see: guard ``hide_bounds``."""
-    first, count = jnp.int32(first), jnp.asarray(count).astype(jnp.int32)
-    if not enabled("hide_bounds"):
-        return first, count
-    return lax.optimization_barrier((first, count))
-
-
-def one_program(fn, **jit_options):
-    """``jax.jit(fn)`` (guard ``one_program``): partials computed eagerly are finished in
-    one compiled program, as they are inside the caller's."""
-    jitted = jax.jit(fn, **jit_options)
-
-    def call(*args, **kwargs):  # read at each call: one is made when a module is imported
-        return (jitted if enabled("one_program") else fn)(*args, **kwargs)
-
-    return call
 
 
 # -- guards of the host route's runtime ------------------------------------------------

@@ -138,8 +138,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     traced = tuple(x for x in leaves if is_tracer(x))
     args = (traced, tuple(shared_leaves), choice)
     if route.eager_program and not any(map(is_tracer, (*traced, *shared_leaves))):
-        # Called eagerly (NumPyro's initialisation runs the model so): one program (guard
-        # ``one_program``).
+        # Called eagerly (NumPyro's initialisation runs the model so): one compiled program,
+        # not an operation at a time.
         return state.eager_call((grainsize, "value"), lambda: site_value(route, None))(*args)
     return site_value(route, functools.partial(blocked_sum, state.spec, resident))(*args)
 

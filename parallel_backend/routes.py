@@ -104,8 +104,8 @@ class Route:
         program (the site's spec says ``sets="each"``), rather than with the sets inside
         the blocks.
     eager_program : bool
-        An eager call (no traced argument) runs as one compiled program (guard
-        ``one_program``): the host route, whose chunk programs could otherwise not start.
+        An eager call (no traced argument) runs as one compiled program (``jax.jit``)
+        rather than an operation at a time: the host route.
     autodiff_products : bool
         Second derivatives are JAX's autodiff of the blocked sum in the caller's program,
         not the blocks' Hessian-vector products: a batched site of ``sets="each"`` that

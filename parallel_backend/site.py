@@ -21,7 +21,6 @@ import jax
 
 from .blocks import accelerator
 from .chunking import AdaptiveChunker
-from .guards import one_program
 from .identity import frozen
 from .spec import Program, SiteSpec, run_eagerly
 from .tasks import Resident, host_device
@@ -137,11 +136,11 @@ class SiteState:
         return self.host
 
     def eager_call(self, key, make, **jit_options):
-        """``make()`` compiled as one program (guard ``one_program``), made once per ``key``
+        """``make()`` compiled as one program (``jax.jit``), made once per ``key``
         and kept (:attr:`eager`), as a call that waits for its result."""
         fn = self.eager.get(key)
         if fn is None:
-            fn = self.eager.setdefault(key, one_program(make(), **jit_options))
+            fn = self.eager.setdefault(key, jax.jit(make(), **jit_options))
         return lambda *args: jax.block_until_ready(fn(*args))
 
     def release(self) -> None:

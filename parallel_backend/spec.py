@@ -55,7 +55,7 @@ from .blocks import (
     take_blocks,
 )
 from .errors import TracedElsewhere
-from .guards import fence, hide, hide_bounds
+from .guards import fence, hide
 from .identity import owned
 from .internals import is_tracer, jaxpr_as_fun
 from .tasks import Partials, host_device, program_key
@@ -437,7 +437,7 @@ class Program:
                 out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
                                    tail=tail, set_axes=set_axes, order=order)
             else:
-                first, count = hide_bounds(0, plan.n_blocks)
+                first, count = jnp.int32(0), jnp.int32(plan.n_blocks)
 
                 def one(traced, shared):
                     return self.looped(prepared, traced, shared, valid, first, count,

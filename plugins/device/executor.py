@@ -43,7 +43,6 @@ from parallel_backend.extend import (
     fence,
     gather,
     hide,
-    hide_bounds,
     is_tracer,
     pad_blocks,
     pad_rows,
@@ -319,7 +318,7 @@ class DeviceExecutor(Executor):
             else:
                 me = lax.axis_index(AXIS)
                 count = jnp.clip(layout.n_blocks - me * layout.per_device, 0, layout.per_device)
-                first, count = hide_bounds(0, count)
+                first, count = jnp.int32(0), count.astype(jnp.int32)
                 out = program.looped(prepared, traced, shared, valid, first, count,
                                      layout.per_device, diff_traced, diff_shared)
             return fence(out)
