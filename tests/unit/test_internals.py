@@ -107,7 +107,7 @@ def test_a_primitive_of_our_own_differentiates_transposes_batches_and_compiles()
 
     triple = internals.define_primitive(
         "pb_test_triple", impl, lambda x: [internals.core_aval(x)], jvp, transpose, batch)
-    f = lambda x: triple.bind(x)[0].sum()  # noqa: E731
+    f = lambda x: triple.bind(x)[0].sum()
     x = jnp.arange(4.0)
     assert float(jax.jit(f)(x)) == 18.0, VERSION
     assert np.array_equal(jax.grad(f)(x), 3 * np.ones(4)), VERSION
