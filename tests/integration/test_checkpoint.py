@@ -353,6 +353,7 @@ OTHER_LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fit in each stack, a minute and more; CI's slow lane sets PB_OTHER_PYTHON
 @pytest.mark.skipif(not OTHER_PYTHON, reason="PB_OTHER_PYTHON (the other stack's python, "
                     "set by .ci/run) is not set")
 def test_a_checkpoint_moves_between_python_stacks(tmp_path, uninterrupted, assert_identical):

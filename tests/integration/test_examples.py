@@ -80,6 +80,7 @@ def execute_notebook(name, **sizes):
     return text, images
 
 
+@pytest.mark.slow  # executes the notebook, half a minute
 def test_diagnostics_notebook():
     text, images = execute_notebook("diagnostics.ipynb", PB_NB_ROWS="3000", PB_NB_WARMUP="60",
                                     PB_NB_SAMPLES="30", PB_NB_TIMING_ROWS="20000")
@@ -89,6 +90,7 @@ def test_diagnostics_notebook():
     assert "sample: 100%" in text and "grad/s=" in text and "workers=2" in text
 
 
+@pytest.mark.slow  # executes the notebook with a local cluster, half a minute
 @pytest.mark.dask
 def test_dask_cluster_notebook():
     pytest.importorskip("distributed")

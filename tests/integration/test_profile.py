@@ -255,6 +255,7 @@ def cli():
     return run
 
 
+@pytest.mark.slow
 def test_cli_profiles_a_user_script(cli, tmp_path):
     script = tmp_path / "my_model.py"
     script.write_text(textwrap.dedent("""

@@ -44,6 +44,7 @@ def run(tmp_path_factory):
         return [json.loads(line) for line in fh], done.stdout
 
 
+@pytest.mark.slow
 def test_gradients_writes_one_record_per_likelihood_and_variant(run, bench):
     recs, _ = run
     assert [(r["likelihood"], r["rows"], r["variant"]) for r in recs] == [
