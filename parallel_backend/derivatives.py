@@ -33,7 +33,6 @@ from .batching import site_batching
 from .guards import fence
 from .internals import (
     NOT_MAPPED,
-    core_aval,
     define_primitive,
     is_tracer,
     is_undefined,
@@ -215,7 +214,7 @@ def symmetric_product(apply, twin, primals, tangent, aux=()):
     derivative (a site's traced route choice); ``tangent`` and the product have the same
     structure.
 
-    The product is one JAX primitive (:data:`.internals.Primitive`) with the rules a
+    The product is one JAX primitive (:func:`.internals.define_primitive`) with the rules a
     linear map in ``tangent`` needs: its transpose is itself (``H`` is symmetric, so
     reverse mode calls ``apply`` as forward mode does), ``vmap`` maps ``apply`` (once for
     a batch of tangents), and its derivative in ``primals`` (the third order) is
@@ -278,7 +277,7 @@ def _product_impl(*ops, rule):
 
 
 def _product_abstract(*avals, rule):
-    return [core_aval(a) for a in rule.split(avals)[2]]
+    return rule.split(avals)[2]  # the product has the tangent's shapes and dtypes
 
 
 def _product_jvp(primals, tangents, *, rule):

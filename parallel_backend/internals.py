@@ -33,7 +33,6 @@ __all__ = [
     "DebugInfo",
     "Jaxpr",
     "Literal",
-    "core_aval",
     "custom_vmap",
     "define_primitive",
     "is_tracer",
@@ -106,11 +105,6 @@ def define_primitive(name, impl, abstract_eval, jvp, transpose, batch):
     _batching.primitive_batchers[prim] = batch
     _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=True))
     return prim
-
-
-def core_aval(aval):
-    """An operand's abstract value as a result's (``ShapedArray``)."""
-    return aval
 
 
 def is_zero(t) -> bool:
