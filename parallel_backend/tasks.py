@@ -197,6 +197,8 @@ class Resident:
         self.device = device if device is not None else host_device()
         self._views: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        self._users = 0  # chunks between fetching their views and having their results
+        self._doomed = False  # delete() came while some were: the last one frees
 
     def view(self, a: int, b: int) -> tuple:
         """Device arrays of blocks ``[a, b)`` (absolute block numbers)."""
@@ -228,9 +230,37 @@ class Resident:
         """Device arrays of every block held."""
         return self.view(self.first, self.first + self.n)
 
-    def delete(self) -> None:
-        """Free the device copies now."""
+    @contextlib.contextmanager
+    def in_use(self):
+        """Hold the device copies for one chunk: a :meth:`delete` meanwhile (the site
+        released, the worker torn down) frees them when the last holder is done, instead
+        of under a program that fetched them and has yet to run (it would fail with
+        "Buffer has been deleted")."""
         with self._lock:
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                free = self._doomed and not self._users
+            if free:
+                self._free()
+
+    def delete(self) -> None:
+        """Free the device copies: now, or once the chunks holding them (:meth:`in_use`)
+        are done. The numpy arrays stay: a later :meth:`view` copies again."""
+        with self._lock:
+            if self._users:
+                self._doomed = True
+                return
+        self._free()
+
+    def _free(self) -> None:
+        with self._lock:
+            if self._users:  # taken again since: its last holder frees
+                return
+            self._doomed = False
             views, self._views = list(self._views.values()), OrderedDict()
         for view in views:
             for arr in view:
@@ -266,7 +296,8 @@ def run_task(task: Task) -> ChunkResult:
         # compiled function (a pure_callback's thread has a default device set).
         with jax.enable_x64(spec.x64), jax.default_device(resident.device):
             t0 = time.perf_counter()  # after the gate: the chunker wants compute time
-            out = jax.device_get(_call(program, resident, chunk, ev))
+            with resident.in_use():
+                out = jax.device_get(_call(program, resident, chunk, ev))
             seconds = time.perf_counter() - t0
     except Exception as e:
         raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e

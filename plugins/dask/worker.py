@@ -76,14 +76,16 @@ class WorkerState(WorkerPlugin):
         self.sites: dict = {}  # site token -> Program, built at the site's first chunk
         self.shards: dict = {}  # (data token, shard: its first block and count) -> Resident
         self.lock = threading.Lock()
+        self.torn_down = False
 
     def teardown(self, worker) -> None:
+        self.torn_down = True  # chunks still running fail as the worker's leaving, not fn's
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         if not getattr(self, "stalled", False):  # freeing a copy in use waits for its user
             for resident in getattr(self, "shards", {}).values():
-                resident.delete()
+                resident.delete()  # those a running chunk holds: once it is done
         self.specs, self.sites, self.shards = {}, {}, {}
 
     def new_pool(self):
@@ -276,6 +278,12 @@ async def _evaluate(name, token, data_token, tasks, shared, diff_traced, diff_sh
         # scaled down), not fn failing. The client hands the chunks to other workers.
         return Reply(GONE, detail=f"the worker {dask_worker.address} is shutting down "
                                   "(its pool cancelled the chunks)")
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed and (getattr(state, "torn_down", False) or _leaving(dask_worker)):
+        # The worker was closed under its chunks (its scheduler gone, killed, retired):
+        # what they raised says nothing of fn. The client hands them to other workers.
+        return Reply(GONE, detail=f"the worker {dask_worker.address} closed during the "
+                                  f"evaluation ({type(failed[0]).__name__}: {failed[0]})")
     for task, r in zip(tasks, results):
         if isinstance(r, BaseException):
             rows = spec.rows(task[1].first, task[1].count)

@@ -328,3 +328,27 @@ def test_an_evicted_site_still_evaluated_keeps_its_data_until_dropped(client):
         collect()  # the program and the site it holds are gone
         dropped = on_workers(client, ex)
         assert dropped == evicted, (evicted, dropped)
+
+
+# -- freeing while a chunk runs ----------------------------------------------------------
+
+
+def test_a_copy_freed_under_a_chunk_is_freed_after_it():
+    """``Resident.delete`` while a chunk holds the device copies (``in_use``: fetched,
+    its program yet to run) frees them when the chunk is done, not under it; with no
+    holder, at once; the numpy arrays stay, so a later view copies again."""
+    from parallel_backend.tasks import Resident
+
+    resident = Resident((np.arange(12.0).reshape(3, 4),), 0)
+    with resident.in_use():
+        view = resident.view(0, 3)
+        with resident.in_use():  # a second chunk on the same copies
+            resident.delete()
+        assert not view[0].is_deleted(), "freed under a chunk that still holds it"
+        assert float(jax.jit(lambda a: a.sum())(view[0])) == 66.0
+    assert view[0].is_deleted(), "not freed once its last holder was done"
+    again = resident.view(1, 3)
+    resident.delete()
+    assert again[0].is_deleted()
+    assert float(resident.view(0, 3)[0].sum()) == 66.0
+
