@@ -14,7 +14,6 @@ one (:class:`_MCMCView`). Imports arviz, xarray, numpy and jax.
 
 from __future__ import annotations
 
-import sys
 import types
 
 import arviz as az
@@ -44,7 +43,12 @@ def from_numpyro(record, **kwargs):
     """``arviz.from_numpyro`` of a :class:`~parallel_backend.plugins.numpyro.RunRecord`
     (without the log-likelihood, which this plugin computes on the executor)."""
     if DATATREE:
-        _bind_numpyro_submodules()
+        if kwargs.get("dims") is None and record.model is not None:
+            # Named here, not by ArviZ's infer_dims: that reads numpyro.infer.initialization
+            # as an attribute, missing where ArviZ was imported before NumPyro (below).
+            kwargs["dims"] = plate_dims(record.model, record.model_args, record.model_kwargs)
+        if kwargs.get("pred_dims") is None:
+            kwargs["pred_dims"] = kwargs["dims"]
         return az.from_numpyro(_adapter(record), log_likelihood=False, **kwargs)
     return az.from_numpyro(_MCMCView(record), log_likelihood=False, **kwargs)
 
@@ -86,23 +90,40 @@ def group_names(run) -> list[str]:
 # -- handing a run to ArviZ -------------------------------------------------------------
 
 
-def _bind_numpyro_submodules() -> None:
-    """Make every imported ``numpyro.x.y`` an attribute of ``numpyro.x`` again.
+def plate_dims(model, args=(), kwargs=None) -> dict:
+    """``{site: [dim names]}``: the plates each sample or deterministic site sits in,
+    outermost first, then the ``infer={"event_dims": [...]}`` names it declares (the names
+    ArviZ gives from the same trace). Traced abstractly: nothing is computed.
 
-    ArviZ 1.x loads numpyro lazily (``lazy_loader.load("numpyro")``). Where ArviZ is
-    imported before NumPyro, the first ``import numpyro.infer`` then runs
-    ``numpyro/infer/__init__.py`` twice, and the package object that stays in
-    ``sys.modules`` lacks its submodules as attributes; ArviZ's own ``from_numpyro``
-    then fails on ``numpyro.infer.initialization`` (arviz-base 1.3.1, lazy_loader 0.4,
-    numpyro 0.22). The modules themselves are the same objects either way."""
-    for name, module in list(sys.modules.items()):
-        parent, _, child = name.rpartition(".")
-        if module is None or not (parent == "numpyro" or parent.startswith("numpyro.")):
-            continue
-        package = sys.modules.get(parent)
-        if package is not None and not hasattr(package, child):
-            setattr(package, child, module)
+    Why not ArviZ's own ``infer_dims``: ArviZ 1.x loads numpyro lazily
+    (``lazy_loader.load``); where ArviZ is imported before NumPyro, the first
+    ``import numpyro.infer`` runs ``numpyro/infer/__init__.py`` twice, and the package
+    left in ``sys.modules`` lacks its submodules as attributes, so ArviZ's
+    ``numpyro.infer.initialization`` fails (arviz-base 1.3, lazy_loader 0.4, numpyro
+    0.22). Imported by name, as here, the submodule is found either way."""
+    from numpyro import handlers
+    from numpyro.infer.initialization import init_to_sample
 
+    def sites():
+        seeded = handlers.substitute(handlers.seed(model, 0), substitute_fn=init_to_sample)
+        trace = handlers.trace(seeded).get_trace(*args, **(kwargs or {}))
+        out = {}
+        for name, site in trace.items():
+            if site["type"] not in ("sample", "deterministic"):
+                continue
+            frames = sorted(site.get("cond_indep_stack", ()), key=lambda f: f.dim)
+            names = [f.name for f in frames] + list(site.get("infer", {}).get("event_dims", ()))
+            if names:
+                out[name] = names
+        return out
+
+    found = {}
+
+    def record():  # names are Python values: kept aside, the trace returns nothing
+        found.update(sites())
+
+    jax.eval_shape(record)
+    return found
 
 
 def _adapter(record):

@@ -262,6 +262,8 @@ def plated_model(x, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
     sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
     numpyro.deterministic("w_sum", w.sum())
+    with numpyro.plate("groups", 3):  # a latent in a plate: its dims are the plate's
+        numpyro.sample("u", dist.Normal(0.0, 1.0))
     with numpyro.plate("rows", x.shape[0]):
         numpyro.sample("obs", dist.Normal(w[0] + w[1] * x, sigma), obs=y)
 
@@ -340,22 +342,29 @@ def test_a_conversion_that_fails_keeps_the_checkpoint(tmp_path):
 
 def test_arviz_imported_before_numpyro(tmp_path):
     """Importing ArviZ first (ArviZ 1.x then loads numpyro lazily, and
-    ``numpyro.infer`` loses its submodule attributes) does not break the conversion."""
+    ``numpyro.infer`` loses its submodule attributes) does not break the conversion, which
+    names the plates' dims and leaves NumPyro's modules as it found them."""
     code = textwrap.dedent("""
         import arviz
+        import numpyro.infer
         import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
         import parallel_backend as pb
 
         def model(y):
             mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            with numpyro.plate("groups", 2):
+                numpyro.sample("u", dist.Normal(0.0, 1.0))
             with numpyro.plate("rows", 5):
                 numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
+        before = hasattr(numpyro.infer, "initialization")
         run = pb.sample(model, jnp.arange(5.0), num_warmup=10, num_samples=5, num_chains=1,
                         progress_bar=False)
-        print(run.log_likelihood["y"].dims)
+        print(run.log_likelihood["y"].dims, run.posterior["u"].dims)
+        print("unchanged", hasattr(numpyro.infer, "initialization") == before)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, text=True,
                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr
-    assert "'rows'" in out.stdout
+    assert "'rows'" in out.stdout and "('chain', 'draw', 'groups')" in out.stdout, out.stdout
+    assert "unchanged True" in out.stdout, out.stdout
