@@ -175,7 +175,9 @@ def _trivial_calls(ex, n: int) -> dict:
     """Median seconds of a trivial call to one worker of ``ex``'s cluster by each way a
     client can reach it: dask's run handler straight to the worker (``direct``, where this
     process reaches it), the same relayed by the scheduler (``Client.run``), and a task
-    pinned to that worker (``client.submit(..., workers=[it])``, then its result)."""
+    pinned to that worker (``client.submit(..., workers=[it])``, then its result); where
+    the client reaches the worker, also an actor's method (``submit(..., actor=True)``:
+    dask's public call straight to a worker)."""
     import cloudpickle
 
     from parallel_backend.plugins.dask import internals
@@ -191,6 +193,27 @@ def _trivial_calls(ex, n: int) -> dict:
                                      pure=False).result()}
     if ex.stats()["transport"] in ("direct", "direct+scheduler"):
         ways["direct"] = lambda: c.sync(internals.run_on, c, addr, fn, args, 10)
+
+        class Pinger:  # made here: pickled by value, so any worker can build it
+            def ping(self):
+                return None
+
+        async def make():
+            # An actor's handle finds its client with get_client(): the executor's client
+            # is not the process's default one (it must not be: no hidden global state),
+            # so it is made current here.
+            with c.as_current():
+                return await c.submit(Pinger, workers=[addr], allow_other_workers=False,
+                                      actor=True)
+
+        # dask's public way to message one worker without the scheduler: an actor's method
+        # (awaited on the client's loop, as the direct call is)
+        actor = c.sync(make)
+
+        async def ping():
+            return await actor.ping()
+
+        ways["actor"] = lambda: c.sync(ping)
     out = {}
     for name, call in ways.items():
         call()
