@@ -2,19 +2,19 @@
 each executor, check the fastest inside a short NUTS run, and say which to use.
 
 This module owns :func:`profile`, end to end: the variants it times (every ``pb.factor``
-site swapped for plain NumPyro's sum or for ``reduce_sum`` on an executor), the executors
-profiled by default, how a variant is warmed up and timed (interleaved rounds, medians;
-shared with the benchmark harness, ``python -m benchmarks``), the short NUTS run that
-checks the fastest inside the sampler, and the report (:class:`ProfileReport`). Imports
-jax, numpy, numpyro and the core's public names; the dask and device plugins only when
-asked for; pandas and matplotlib only for ``ProfileReport.to_dataframe`` and
-``ProfileReport.plot``.
+and ``pb.observe`` site swapped for plain NumPyro's sum or for ``reduce_sum`` on an
+executor), the executors profiled by default, how a variant is warmed up and timed
+(interleaved rounds, medians; shared with the benchmark harness, ``python -m
+benchmarks``), the short NUTS run that checks the fastest inside the sampler, and the
+report (:class:`ProfileReport`). Imports jax, numpy, numpyro and the core's public names;
+the dask and device plugins only when asked for; pandas and matplotlib only for
+``ProfileReport.to_dataframe`` and ``ProfileReport.plot``.
 
-How a model is measured: the ``pb.factor`` sites are found in a trace; the
-unconstrained initial parameters are drawn with ``init_to_uniform`` and mapped by
-``unconstrain_fn`` (no compilation, unlike ``initialize_model``);
-then, per variant, ``jit(value_and_grad(potential_energy))`` of the model is built
-with every ``pb.factor`` site's log-density replaced (``fn(data, *shared).sum()``
+How a model is measured: the ``pb.factor`` and observed ``pb.observe`` sites are found
+in a trace; the unconstrained initial parameters are drawn with ``init_to_uniform`` and
+mapped by ``unconstrain_fn`` (no compilation, unlike ``initialize_model``); then, per
+variant, ``jit(value_and_grad(potential_energy))`` of the model is built with every such
+site's log-density replaced (``fn(data, *shared).sum()`` or the site's own distribution
 for plain NumPyro, ``reduce_sum(..., executor=ex)`` otherwise). Each variant is
 warmed up until it has compiled and its adaptive chunker has settled, and then all
 variants are timed in interleaved rounds (so that a noisy neighbour hurts them
@@ -27,7 +27,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,10 @@ import parallel_backend as pb
 from parallel_backend.extend import cpu_count, row_bytes
 
 from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.axes import Axes
 
 __all__ = [
     "MARGIN",
@@ -71,10 +75,11 @@ def profile(model: Callable[..., Any], *model_args: Any,
             chains: int = 1, **model_kwargs: Any) -> ProfileReport:
     """Time one gradient of ``model``'s log-density in plain NumPyro and on each executor.
 
-    Finds the model's ``pb.factor`` sites and builds, per variant, the jitted value
-    and gradient of the potential energy (what NUTS evaluates once per leapfrog
-    step): with every ``pb.factor`` site summed in plain NumPyro
-    (``fn(data, *shared).sum()``), and with ``reduce_sum`` on each executor. Each
+    Finds the model's ``pb.factor`` and observed ``pb.observe`` sites and builds, per
+    variant, the jitted value and gradient of the potential energy (what NUTS evaluates
+    once per leapfrog step): with every such site evaluated in plain NumPyro
+    (``fn(data, *shared).sum()`` for ``pb.factor``, ``dist_fn(data, *shared)`` for
+    ``pb.observe``), and with ``reduce_sum`` on each executor. Each
     variant is warmed up until compiled and until its chunker settled, then all
     are timed in interleaved rounds. Takes seconds for models whose gradient takes
     milliseconds; most of it is compilation.
@@ -82,7 +87,9 @@ def profile(model: Callable[..., Any], *model_args: Any,
     Parameters
     ----------
     model : callable
-        A NumPyro model with at least one ``pb.factor`` site.
+        A NumPyro model with at least one ``pb.factor`` site or observed ``pb.observe``
+        site (``pb.observe(name, dist_fn, data, *shared, obs=y)``, the drop-in for
+        ``numpyro.sample(name, dist, obs=y)`` in a plate over the rows).
     *model_args, **model_kwargs
         Passed to ``model``, as to ``pb.sample``.
     executors : list, optional
@@ -116,7 +123,8 @@ def profile(model: Callable[..., Any], *model_args: Any,
     Raises
     ------
     ValueError
-        The model has no ``pb.factor`` site.
+        The model has no ``pb.factor`` or observed ``pb.observe`` site (its likelihood
+        is a plain ``numpyro.sample(..., obs=...)``: write it with ``pb.observe``).
     TypeError
         An entry of ``executors`` is not an executor, a name or a dask client.
 
@@ -152,9 +160,12 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1):
         sites = factor_sites(trace_model(model, model_args, model_kwargs))
         if not sites:
             raise ValueError(
-                "profile: the model has no pb.factor site, so there is nothing to parallelize. "
-                "Write the likelihood as pb.factor(name, fn, data, *params) with a pointwise "
-                "fn (instead of numpyro.sample(name, dist, obs=data)).")
+                "profile: the model has no pb.factor or pb.observe site, so there is nothing "
+                "to parallelize. Write the likelihood with pb.observe(name, dist_fn, data, "
+                "*params, obs=y), the drop-in for numpyro.sample(name, dist, obs=y) in a plate "
+                "over the rows (dist_fn(data, *params) returns that distribution), or as "
+                "pb.factor(name, fn, data, *params) with a fn that returns one log-density "
+                "per row.")
         z = initial_params(model, model_args, model_kwargs, chains)
 
     variants = []
@@ -230,7 +241,7 @@ def _rows(labels, executors, timed) -> list:
 
 def _site_info(sites, executors) -> list:
     """Per ``pb.factor`` site: its rows and the block size the executors used."""
-    used = {}
+    used: dict[int, int] = {}
     for ex in executors:
         for s in ex.stats()["sites"]:
             used.setdefault(s["rows"], s["block_rows"])
@@ -572,7 +583,7 @@ def time_interleaved(fns, args=(), rounds: int = ROUNDS, max_rounds: int | None 
     [3, 3]
     """
     max_rounds = rounds if max_rounds is None else max(rounds, max_rounds)
-    times = [[] for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
     done = 0
     while done < rounds or (done < max_rounds and min(sum(t) for t in times) < budget):
         for f, t in zip(fns, times):
@@ -697,7 +708,7 @@ class ProfileReport:
     rows : list of ProfileRow
         Plain NumPyro first, then each executor in the order profiled.
     sites : list of dict
-        Per ``pb.factor`` site: ``name``, ``rows`` (N) and ``block_rows``.
+        Per ``pb.factor`` or ``pb.observe`` site: ``name``, ``rows`` (N) and ``block_rows``.
     recommendation : str
         One sentence: the executor and grainsize to use, or to stay with plain
         NumPyro. An executor is recommended only when it beats plain NumPyro by
@@ -724,7 +735,7 @@ class ProfileReport:
         self.recommendation = recommendation
         self.best = best
 
-    def to_dataframe(self):
+    def to_dataframe(self) -> pd.DataFrame:
         """The rows as a ``pandas.DataFrame``, one row per variant."""
         try:
             import pandas as pd
@@ -733,7 +744,7 @@ class ProfileReport:
                               'pip install "parallel-backend[plot]"') from e
         return pd.DataFrame([r._asdict() for r in self.rows])
 
-    def plot(self, ax=None):
+    def plot(self, ax: Axes | None = None) -> Axes:
         """A bar chart of speedup over plain NumPyro per variant; returns the axes."""
         try:
             import matplotlib.pyplot as plt

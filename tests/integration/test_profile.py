@@ -238,7 +238,7 @@ def test_errors_name_the_fix():
     def no_factor(y):
         numpyro.sample("y", dist.Normal(0.0, 1.0), obs=y)
 
-    with pytest.raises(ValueError, match="no pb.factor site"):
+    with pytest.raises(ValueError, match="no pb.factor or pb.observe site"):
         pb.profile(no_factor, data(10))
     with pytest.raises(TypeError, match="executors must be"):
         pb.profile(normal_model, data(10), executors=[3.0])
