@@ -8,6 +8,7 @@ live in ``parallel_backend.plugins`` and are re-exported here lazily, so
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .blocks import BlockPlan, plan_blocks, tree_sum
@@ -24,6 +25,21 @@ from .executors import (
 )
 from .reduce import reduce_sum
 
+if TYPE_CHECKING:
+    # What a type checker sees of the names `__getattr__` imports on first use (_LAZY):
+    # their real definitions. Never run, so `import parallel_backend` stays light. Each
+    # from the module that defines it: where a plugin's package exports a function named
+    # as its module (`from .loo import loo`), mypy takes the package's name for both.
+    from parallel_backend.plugins.arviz.convert import to_arviz
+    from parallel_backend.plugins.arviz.loo import loo
+    from parallel_backend.plugins.dask import DaskExecutor
+    from parallel_backend.plugins.device import DeviceExecutor
+    from parallel_backend.plugins.numpyro.factor import factor
+    from parallel_backend.plugins.numpyro.loglik import log_likelihood
+    from parallel_backend.plugins.numpyro.observe import observe, pointwise
+    from parallel_backend.plugins.numpyro.profile import profile
+    from parallel_backend.plugins.sample import sample
+
 __all__ = [
     "BlockPlan",
     "ChunkError",
@@ -38,6 +54,7 @@ __all__ = [
     "get_default_executor",
     "known_executors",
     "log_likelihood",
+    "loo",
     "make_executor",
     "observe",
     "plan_blocks",
@@ -60,12 +77,13 @@ _LAZY = {
     "profile": ("parallel_backend.plugins.numpyro", "profile", None),
     "pointwise": ("parallel_backend.plugins.numpyro", "pointwise", None),
     "to_arviz": ("parallel_backend.plugins.arviz", "to_arviz", "arviz"),
+    "loo": ("parallel_backend.plugins.arviz", "loo", "arviz"),
     "DaskExecutor": ("parallel_backend.plugins.dask", "DaskExecutor", "dask"),
     "DeviceExecutor": ("parallel_backend.plugins.device", "DeviceExecutor", None),
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr, extra = _LAZY[name]
         try:
@@ -78,5 +96,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'parallel_backend' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -438,7 +438,7 @@ class Split(NamedTuple):
         :func:`constant_conditions`): the unknown part reads each as a constant.
     """
 
-    jaxpr: object
+    jaxpr: ClosedJaxpr
     n_resident: int
     n_traced: int
     known: tuple
@@ -537,7 +537,7 @@ def split_known(closed, n_resident: int, n_traced: int, constants=()) -> Split:
             raise RuntimeError(f"fn traced to another program in this process: equation {i} "
                                f"is not the condition {name!r} found where the site was made")
         const_vars[eqns[i].outvars[0]] = value
-    consts = tuple((v, const_vars[v]) for v in sorted(const_vars, key=producer.get))
+    consts = tuple((v, const_vars[v]) for v in sorted(const_vars, key=lambda v: producer[v]))
     dropped = {producer[v] for v in const_vars}  # their producers: not evaluated per call
 
     # Walk back from what the unknown part needs; a known cheap equation is moved to
@@ -546,7 +546,8 @@ def split_known(closed, n_resident: int, n_traced: int, constants=()) -> Split:
     needed = [v for i, e in enumerate(eqns) if not is_known[i] for v in e.invars
               if not isinstance(v, Literal)]
     needed += [v for v in jaxpr.outvars if not isinstance(v, Literal)]
-    residuals, seen = [], set()
+    residuals: list = []
+    seen = set()
     while needed:
         v = needed.pop()
         if v in seen:
@@ -580,11 +581,10 @@ def split_known(closed, n_resident: int, n_traced: int, constants=()) -> Split:
     reads |= set(jaxpr.outvars)
     raw = tuple(k for k, v in enumerate(resident) if v in reads)
     # A residual read only by equations that were moved may have become unneeded.
-    residuals = tuple(sorted(set(residuals) & reads, key=lambda v: producer[v]))
-    if not residuals:
+    kept = tuple(sorted(set(residuals) & reads, key=lambda v: producer[v]))
+    if not kept:
         return none()
-    return Split(closed, n_resident, n_traced, wanted, unknown, residuals, raw,
-                 consts)
+    return Split(closed, n_resident, n_traced, wanted, unknown, kept, raw, consts)
 
 
 def part(closed, eqns, invars, outvars):

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
 
 __all__ = [
     "BlockPlan",
@@ -284,7 +287,7 @@ def default_block_rows(n_rows: int, row_bytes: int) -> int:
     return max(rows, MIN_BLOCK_ROWS)
 
 
-def tree_sum(x, axis: int = 0):
+def tree_sum(x: ArrayLike, axis: int = 0) -> jax.Array:
     """Sum ``x`` along ``axis`` by pairwise elementwise additions in a fixed order.
 
     Unlike ``jnp.sum``, whose accumulation order is the compiler's choice and may

@@ -34,7 +34,7 @@ class Chunk(NamedTuple):
     """Blocks ``[first, first + count)`` evaluated by one task."""
 
     first: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named so hides tuple.count
 
     def rows(self, plan: BlockPlan) -> tuple[int, int]:
         """Row range ``[start, stop)`` the chunk covers."""

@@ -6,12 +6,20 @@ Imports the standard library and numpy only.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, overload
 
 __all__ = ["ChunkError", "EvaluationStalled", "InFlightLimit", "TracedElsewhere", "check_count"]
 
 
-def check_count(value, name: str, where: str, *, least: int = 1, none_ok: bool = False,
-                what: str = ""):
+@overload
+def check_count(value: object, name: str, where: str, *, least: int = ...,
+                none_ok: Literal[False] = ..., what: str = ...) -> int: ...
+@overload
+def check_count(value: object, name: str, where: str, *, least: int = ..., none_ok: bool,
+                what: str = ...) -> int | None: ...
+def check_count(value: object, name: str, where: str, *, least: int = 1, none_ok: bool = False,
+                what: str = "") -> int | None:
     """``value`` as an ``int >= least`` (or ``None`` where allowed), else an error that
     names the caller, the argument and the value: ``TypeError`` for a value that is not
     an int, ``ValueError`` for one that is too small.
@@ -57,8 +65,8 @@ class ChunkError(RuntimeError):
         Name of the executor that ran the chunk.
     """
 
-    def __init__(self, exc_type: str, message: str, rows: tuple, fn_name: str,
-                 executor: str = "?"):
+    def __init__(self, exc_type: str, message: str, rows: Sequence[int], fn_name: str,
+                 executor: str = "?") -> None:
         self.exc_type, self.message, self.rows = exc_type, message, tuple(rows)
         self.fn_name, self.executor = fn_name, executor
         super().__init__(str(self))
@@ -67,11 +75,12 @@ class ChunkError(RuntimeError):
         return (f"{self.exc_type}: {self.message} (raised by fn {self.fn_name!r} on rows "
                 f"[{self.rows[0]}, {self.rows[1]}) on executor {self.executor!r})")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.exc_type, self.message, self.rows, self.fn_name, self.executor)
 
     @classmethod
-    def wrap(cls, exc: BaseException, rows, fn_name: str, executor: str = "?") -> ChunkError:
+    def wrap(cls, exc: BaseException, rows: Sequence[int], fn_name: str,
+             executor: str = "?") -> ChunkError:
         """A ChunkError describing ``exc`` (a ChunkError is re-labelled, not nested)."""
         if isinstance(exc, ChunkError):
             return cls(exc.exc_type, exc.message, exc.rows, exc.fn_name, executor)
@@ -82,7 +91,7 @@ class TracedElsewhere(RuntimeError):
     """A process traced a site's ``fn`` (for its block programs: a dask worker, or this
     process later) and it computes something else than where the site was made."""
 
-    def __init__(self, label: str):
+    def __init__(self, label: str) -> None:
         super().__init__(
             f"reduce_sum: {label} computes here something else than where its model was "
             "traced: it reads state that differs between the two (a module's attribute "
@@ -95,7 +104,7 @@ class InFlightLimit(RuntimeError):
     keeps for programs in flight is held by programs that wait for this evaluation's
     result (operations queued on it before it was ready). Waiting would never end."""
 
-    def __init__(self, label: str, seconds: float):
+    def __init__(self, label: str, seconds: float) -> None:
         self.label, self.seconds = label, seconds
         super().__init__(
             f"reduce_sum: {label}: no chunk finished for {seconds:.0f} s and XLA's device "
@@ -105,7 +114,8 @@ class InFlightLimit(RuntimeError):
             "operations on it, or set jax_cpu_enable_async_dispatch to False before JAX "
             "starts.")
 
-    def __reduce__(self):  # crosses processes (a dask worker's answer) as itself
+    # crosses processes (a dask worker's answer) as itself
+    def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.label, self.seconds)
 
 
@@ -127,7 +137,8 @@ class EvaluationStalled(RuntimeError):
     executor : str
     """
 
-    def __init__(self, label: str, seconds: float, rows=(), executor: str = "?"):
+    def __init__(self, label: str, seconds: float, rows: Iterable[Iterable[int]] = (),
+                 executor: str = "?") -> None:
         self.label, self.seconds = label, seconds
         self.rows, self.executor = tuple(tuple(r) for r in rows), executor
         pending = ", ".join(f"[{a}, {b})" for a, b in self.rows[:4])
@@ -139,5 +150,6 @@ class EvaluationStalled(RuntimeError):
             "should. Where a chunk legitimately takes that long, give the executor a "
             "larger stall_timeout (seconds; None waits forever).")
 
-    def __reduce__(self):  # crosses processes (a dask worker's answer) as itself
+    # crosses processes (a dask worker's answer) as itself
+    def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.label, self.seconds, self.rows, self.executor)

@@ -87,7 +87,7 @@ def digest(x) -> str:
     # sha256: with the SHA instructions of current CPUs the fastest of hashlib's hashes.
     h = hashlib.sha256()
     h.update(f"{a.dtype.str}{a.shape}".encode())
-    h.update(memoryview(a).cast("B") if a.size else b"")
+    h.update(a.data.cast("B") if a.size else b"")
     out = h.hexdigest()
     if fixed:
         try:
@@ -209,7 +209,7 @@ def _globals_key(fn, depth: int) -> tuple:
     out. A helper or a class attribute changed between two fits, or a module's
     attribute, changes what ``fn`` computes, and :func:`computes` sees that."""
     found = getattr(fn, "__globals__", None) or {}
-    out = []
+    out: list[tuple[str, object]] = []
     for name in sorted(_names(fn.__code__)):
         v = found.get(name)
         if v is None or isinstance(v, (types.ModuleType, types.BuiltinFunctionType)):
@@ -349,8 +349,8 @@ def _freeze(v, depth: int):
             return items
         return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
     if isinstance(v, dict):
-        items = {k: _freeze(x, depth + 1) for k, x in v.items()}
-        return v if _same(items, v) else items
+        entries = {k: _freeze(x, depth + 1) for k, x in v.items()}
+        return v if _same(entries, v) else entries
     return v
 
 

@@ -50,7 +50,9 @@ Literal = _jex.Literal
 jaxprs_in_params = _jex.jaxprs_in_params
 #: A jaxpr made of some of another's equations, and how JAX evaluates one
 #: (``jax.extend.core``): the hoisted part of a likelihood and the part left per call.
-Jaxpr, ClosedJaxpr, DebugInfo = _jex.Jaxpr, _jex.ClosedJaxpr, _jex.DebugInfo
+Jaxpr = _jex.Jaxpr
+ClosedJaxpr = _jex.ClosedJaxpr
+DebugInfo = _jex.DebugInfo
 jaxpr_as_fun = _jex.jaxpr_as_fun
 
 #: A function with its own batching rule (``jax.custom_batching``, marked experimental):

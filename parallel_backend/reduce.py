@@ -11,6 +11,8 @@ form and the block plan read from ``fn``'s jaxpr), and the route the call takes
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +34,17 @@ from .routes import current_slot, route_of
 from .site import SiteState
 from .spec import make_spec
 
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+    from .executors.base import Executor
+
 __all__ = ["RowSum", "Weighted", "reduce_rows", "reduce_sum"]
 
 
-def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None):
+def reduce_sum(fn: Callable[..., ArrayLike], data: Any, *shared: Any,
+               executor: Executor | str | None = None, grainsize: int | None = None,
+               block_rows: int | None = None) -> jax.Array:
     """Sum a pointwise log-density over the rows of ``data``, in parallel chunks.
 
     The rows are cut into fixed-size blocks; an executor evaluates runs of blocks
@@ -107,7 +116,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     plan = plan_blocks(n_rows, block_rows, row_bytes=row_bytes(leaves))
     if n_rows == 0:
         return jnp.zeros((), output_dtype(fn, data_treedef, leaves, shared_treedef, shared_leaves, 0))
-    value_dtype, traces = None, []
+    value_dtype = None
+    traces: list[Any] = []
     for rows in sorted({plan.block_rows if plan.n_full else 0, plan.tail_rows} - {0}):
         value_dtype, closed = check_output(fn, data_treedef, leaves, shared_treedef,
                                            shared_leaves, rows, plan, paths)
@@ -115,7 +125,8 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
 
     executor = resolve_executor(executor)
     traced_mask = tuple(is_tracer(x) for x in leaves)
-    x64 = bool(jax.config.jax_enable_x64)
+    # jax before 0.12 gives its options no types (it sets them by setattr)
+    x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined, unused-ignore]
     resident = [x for x, t in zip(leaves, traced_mask) if not t]
     key = site_key(fn, data_treedef, shared_treedef, plan, x64, resident,
                    [(jnp.shape(x), str(jnp.result_type(x)), t) for x, t in zip(leaves, traced_mask)],
@@ -144,8 +155,9 @@ def reduce_sum(fn, data, *shared, executor=None, grainsize=None, block_rows=None
     return site_value(route, functools.partial(blocked_sum, state.spec, resident))(*args)
 
 
-def reduce_rows(fn, data, *shared, executor=None, grainsize=None, block_rows=None,
-                summed: bool = True):
+def reduce_rows(fn: Callable[..., ArrayLike], data: Any, *shared: Any,
+                executor: Executor | str | None = None, grainsize: int | None = None,
+                block_rows: int | None = None, summed: bool = True) -> jax.Array:
     """``fn(data, *shared)``, the log-density of each row, evaluated as :func:`reduce_sum`
     evaluates (in blocks, on the executor, bitwise the same on every route).
 
@@ -247,11 +259,11 @@ class RowSum:
     site through which :func:`reduce_rows` sums the rows. Keyed, as any callable object,
     by its class and ``fn``."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[..., jax.Array]) -> None:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
-    def __call__(self, data, *shared):
+    def __call__(self, data: Any, *shared: Any) -> jax.Array:
         terms = self.fn(data, *shared)
         return terms.reshape(terms.shape[:1] + (-1,)).sum(axis=1) if terms.ndim > 1 else terms
 
@@ -288,7 +300,7 @@ def as_leaf(x, where: str):
 
 
 def leading_size(paths, leaves) -> int:
-    sizes = {}
+    sizes: dict[int, list[str]] = {}
     for path, x in zip(paths, leaves):
         shape = jnp.shape(x)
         if len(shape) == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import jax
 
@@ -56,15 +57,15 @@ class SiteState:
         # ``resident_leaves`` are such copies already (reduce_sum hashed its snapshots).
         fn = frozen(spec.fn)
         self.spec = spec if fn is spec.fn else spec._replace(fn=fn)
-        self.decision = None
-        self.measured = None
+        self.decision: str | None = None
+        self.measured: Any = None  # a routes.Choice
         self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
         self._resident_leaves = tuple(resident_leaves)
         self._lock = threading.Lock()
-        self._program = None
-        self._prepared = None
+        self._program: Program | None = None
+        self._prepared: tuple | None = None
         #: ``(program, resident)`` once :meth:`prepare_host` made them, else ``None``.
-        self.host = None
+        self.host: tuple[Program, Resident] | None = None
         #: What the executor placed for this site elsewhere (device buffers, what it
         #: sent to workers), by name; dropped with the site (:meth:`release`).
         self.placed: dict = {}
@@ -72,7 +73,7 @@ class SiteState:
         #: (see :meth:`eager_call`).
         self.eager: dict = {}
         #: The counter compiled into this site's graph evaluations, if any.
-        self.counter = None
+        self.counter: Any = None  # a routes.GraphCounter
         #: Gradient evaluations in the graph that pb.sample counted: (calls, batches).
         self.sampled = [0, 0]
         #: An evaluation stalled: chunk programs that may never end still read this

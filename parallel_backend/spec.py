@@ -199,7 +199,7 @@ class Program:
         #: Real (unpadded) rows of each block.
         self.valid = valid
         #: (kind, blocks) -> times traced: a compiled shape is traced once.
-        self.traces = Counter()
+        self.traces: Counter[tuple] = Counter()
         self._lock = threading.Lock()
         #: The compiled chunk programs, by :func:`.tasks.program_key` (read by tasks).
         self.cache: dict = {}
@@ -274,7 +274,8 @@ class Program:
         return Partials(total(pointwise), tuple(gs), tuple(gt)).pinned(pin)
 
     def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-                masked: bool = False, tail=None, set_axes=None, order: int = 1) -> Partials:
+                masked: bool = False, tail: tuple[Any, Any, Any] | None = None, set_axes=None,
+                order: int = 1) -> Partials:
         """Every block of the given arrays (leading axis: blocks) in one ``vmap``, each
         ``masked`` or none; then, with ``tail`` (the padded last block's ``(prepared,
         traced, valid)``, an axis of one block each), that block alone, masked, after them.

@@ -268,7 +268,7 @@ class Resident:
                     arr.delete()
 
 
-_HOST = []
+_HOST: list = []
 
 
 def host_device():

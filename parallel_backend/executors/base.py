@@ -17,8 +17,9 @@ import numbers
 import queue
 import threading
 import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,11 @@ from ..routes import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
 
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+    from ..tasks import ChunkResult, Task
+
 __all__ = ["DISPATCH_MODES", "STALL_TIMEOUT", "Executor", "TaskPool", "check_stall_timeout"]
 
 DISPATCH_MODES = ("auto", "graph", "host")
@@ -38,8 +44,11 @@ DISPATCH_MODES = ("auto", "graph", "host")
 #: included, and short enough that a stuck run says so within minutes.
 STALL_TIMEOUT = 300.0
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
-def check_stall_timeout(value, where: str):
+
+def check_stall_timeout(value: float | None, where: str) -> float | None:
     """``value`` as seconds (a positive number) or ``None``, else a ``ValueError`` naming
     ``where``."""
     if value is None:
@@ -71,16 +80,16 @@ class TaskPool:
     >>> pool.shutdown()
     """
 
-    def __init__(self, threads: int, name: str):
+    def __init__(self, threads: int, name: str) -> None:
         self.threads, self.name = int(threads), name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn: Callable[..., _R], *args: Any) -> Future[_R]:
         """``fn(*args)`` on one of the pool's threads."""
-        future: Future = Future()
+        future: Future[_R] = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"TaskPool {self.name!r} is shut down")
@@ -163,7 +172,7 @@ class Executor:
     name: ClassVar[str] = "base"
 
     def __init__(self, *, dispatch: str = "auto", count_calls: bool = False,
-                 stall_timeout: float | None = STALL_TIMEOUT):
+                 stall_timeout: float | None = STALL_TIMEOUT) -> None:
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {list(DISPATCH_MODES)}, got {dispatch!r}")
         self.dispatch = dispatch
@@ -172,10 +181,11 @@ class Executor:
         self._lock = threading.Lock()
         self._states = SiteCache(on_forget=self._retire)
         self._closed = False
-        self._runner = None  # the thread pool of run_tasks (task_pool)
+        self._runner: TaskPool | None = None  # the thread pool of run_tasks (task_pool)
         self._created = time.time()
-        self._counts = {"calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
-                        "seconds_in_workers": 0.0, "bytes_sent": 0, "bytes_received": 0}
+        self._counts: dict[str, float] = {
+            "calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
+            "seconds_in_workers": 0.0, "bytes_sent": 0, "bytes_received": 0}
 
     # -- hooks subclasses override ----------------------------------------------------
 
@@ -184,7 +194,7 @@ class Executor:
         """How many chunk tasks can run at once."""
         return 1
 
-    def run_tasks(self, tasks) -> list:
+    def run_tasks(self, tasks: Sequence[Task]) -> list[ChunkResult]:
         """Run chunk tasks (:class:`~parallel_backend.tasks.Task`, plain values) and return
         their results in task order (or more results, in block order, where an executor
         splits a task at its own data's boundaries).
@@ -241,8 +251,11 @@ class Executor:
                 self._runner = None
         pool.shutdown(wait=False, cancel_futures=True)
 
-    def graph_partials(self, state: SiteState, traced, shared, diff_traced, diff_shared,
-                       set_axes=None):
+    def graph_partials(self, state: SiteState, traced: Sequence[ArrayLike],
+                       shared: Sequence[ArrayLike], diff_traced: Sequence[bool],
+                       diff_shared: Sequence[bool],
+                       set_axes: tuple[Sequence[int | None], Sequence[int | None]] | None = None,
+                       ) -> tuple[Any, ...]:
         """Per-block partials computed inside the caller's XLA program (no callback).
 
         Called while tracing. The default evaluates every block in place, or, on an
@@ -256,7 +269,7 @@ class Executor:
         return state.program.graph_partials(state.prepared(), traced, shared, diff_traced,
                                             diff_shared, set_axes)
 
-    def map(self, func, items) -> list:
+    def map(self, func: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         """``[func(item) for item in items]`` on this executor's workers, in order.
 
         For one-off work beside sampling (pointwise log-likelihoods, profiling).
@@ -265,14 +278,16 @@ class Executor:
         self.check_open()
         return [func(item) for item in items]
 
-    def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
+    def bytes_per_call(self, traced: Sequence[ArrayLike], shared: Sequence[ArrayLike],
+                       n_tasks: int) -> int:
         """Bytes one evaluation hands the executor: what crosses the host callback into
         it, the parameters once (tasks on this process's threads read the same arrays).
         An executor that sends messages counts what it sent instead, with :meth:`count`,
         and returns 0."""
         return sum(np.asarray(x).nbytes for x in (*traced, *shared))
 
-    def bytes_per_result(self, values, shared_grads, data_grads) -> int:
+    def bytes_per_result(self, values: ArrayLike, shared_grads: Sequence[ArrayLike],
+                         data_grads: Sequence[ArrayLike]) -> int:
         """Bytes one evaluation hands back: the per-block partials (and per-row gradients
         of traced data leaves) that cross the host callback out of it. An executor that
         receives messages counts what it received instead, with :meth:`count`, and
@@ -284,13 +299,13 @@ class Executor:
 
     # -- call sites --------------------------------------------------------------------
 
-    def site_state(self, key, make) -> SiteState:
+    def site_state(self, key: Hashable, make: Callable[[], SiteState]) -> SiteState:
         """The :class:`SiteState` for ``key`` (what the site is: see
         :func:`parallel_backend.identity.site_key`), made by ``make()`` on first use."""
         self.check_open()
         return self._states.get(key, make)
 
-    def sites(self) -> list:
+    def sites(self) -> list[SiteState]:
         """The call sites this executor holds, as :class:`SiteState` records."""
         return self._states.values()
 
@@ -313,13 +328,15 @@ class Executor:
     def route(self, state: SiteState) -> str:
         """Where ``state``'s site runs by default: decided (by :meth:`decide`) the first
         time, then kept. Called by ``reduce_sum`` while tracing."""
-        if state.decision is None:
-            state.settle(self.decide(state))
-        return state.decision
+        decision = state.decision
+        if decision is None:
+            decision = self.decide(state)
+            state.settle(decision)
+        return decision
 
     # -- bookkeeping ---------------------------------------------------------------------
 
-    def count(self, **inc) -> None:
+    def count(self, **inc: float) -> None:
         """Add to the counters :meth:`stats` reports (``calls=1, chunks=4, ...``)."""
         with self._lock:
             for k, v in inc.items():
@@ -339,7 +356,7 @@ class Executor:
             state.sampled[0] += int(calls)
             state.sampled[1] += int(batches)
 
-    def graph_counts(self, state: SiteState, calls: int, batches: int) -> dict:
+    def graph_counts(self, state: SiteState, calls: int, batches: int) -> dict[str, int]:
         """What ``calls`` graph evaluations of ``state`` (``batches`` parameter sets in all)
         add to :meth:`stats`; an executor that splits the graph over devices overrides it."""
         return {"graph_calls": calls, "calls": calls, "chunks": calls,
@@ -363,8 +380,8 @@ class Executor:
         if calls:
             self.count(**self.graph_counts(state, calls, batches))
 
-    def _graph_totals(self) -> dict:
-        out: dict = {}
+    def _graph_totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
         for state in self.sites():
             calls, batches = self._graph_calls(state)
             if calls:
@@ -372,7 +389,7 @@ class Executor:
                     out[k] = out.get(k, 0) + v
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """What this executor did since it was made.
 
         Returns
@@ -392,7 +409,7 @@ class Executor:
             ``pb.sample`` measured.
         """
         with self._lock:
-            out = dict(self._counts)
+            out: dict[str, Any] = dict(self._counts)
         for k, v in self._graph_totals().items():
             out[k] = out.get(k, 0) + v
         out["executor"] = self.name
@@ -422,10 +439,10 @@ class Executor:
                 runner.shutdown(wait=True, cancel_futures=True)
             self._states.clear()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -433,7 +450,7 @@ class Executor:
         return f"{type(self).__name__}(workers={self.workers}, dispatch={self.dispatch!r}, {state})"
 
 
-def site_stats(state: SiteState) -> dict:
+def site_stats(state: SiteState) -> dict[str, Any]:
     """One call site's entry in :meth:`Executor.stats`."""
     spec = state.spec
     p = spec.plan

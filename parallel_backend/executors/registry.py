@@ -11,7 +11,9 @@ import atexit
 import contextlib
 import contextvars
 import threading
+from collections.abc import Iterator
 from importlib.metadata import entry_points
+from typing import Any
 
 from .base import Executor
 from .serial import SerialExecutor
@@ -41,7 +43,7 @@ def known_executors() -> list[str]:
     return sorted(set(_BUILTIN) | set(_plugins()))
 
 
-def get_executor_class(name: str) -> type:
+def get_executor_class(name: str) -> type[Executor]:
     """The executor class registered as ``name``.
 
     Raises
@@ -57,12 +59,12 @@ def get_executor_class(name: str) -> type:
     return ep.load()
 
 
-def make_executor(name: str, **kwargs) -> Executor:
+def make_executor(name: str, **kwargs: Any) -> Executor:
     """Make an executor by name, e.g. ``make_executor("thread", workers=2)``."""
     return get_executor_class(name)(**kwargs)
 
 
-_named: dict = {}  # name -> the one executor of that name in this process
+_named: dict[str, Executor] = {}  # name -> the one executor of that name in this process
 _named_lock = threading.Lock()
 
 
@@ -95,10 +97,11 @@ def _close_named() -> None:
 
 
 _default: Executor | None = None
-_current: contextvars.ContextVar = contextvars.ContextVar("parallel_backend_executor", default=None)
+_current: contextvars.ContextVar[Executor | None] = contextvars.ContextVar(
+    "parallel_backend_executor", default=None)
 
 
-def set_default_executor(executor) -> None:
+def set_default_executor(executor: Executor | str | None) -> None:
     """Set the executor used where neither ``executor=`` nor ``use_executor`` says.
 
     ``None`` restores the built-in default, a :class:`SerialExecutor`. A name
@@ -117,7 +120,7 @@ def get_default_executor() -> Executor:
 
 
 @contextlib.contextmanager
-def use_executor(executor):
+def use_executor(executor: Executor | str) -> Iterator[Executor]:
     """Make ``executor`` the default for ``reduce_sum`` calls traced inside the block.
 
     The setting is per thread (and per asyncio task) and nests.
@@ -129,21 +132,22 @@ def use_executor(executor):
     ...     float(pb.reduce_sum(lambda x: x, jnp.ones(3)))
     3.0
     """
-    token = _current.set(_coerce(executor, "use_executor"))
+    ex = _coerce(executor, "use_executor")
+    token = _current.set(ex)
     try:
-        yield _current.get()
+        yield ex
     finally:
         _current.reset(token)
 
 
-def resolve_executor(executor=None) -> Executor:
+def resolve_executor(executor: Executor | str | None = None) -> Executor:
     """``executor`` if given, else the innermost ``use_executor``, else the default."""
     if executor is not None:
         return _coerce(executor, "executor")
     return _current.get() or get_default_executor()
 
 
-def _coerce(executor, where: str) -> Executor:
+def _coerce(executor: object, where: str) -> Executor:
     if isinstance(executor, Executor):
         return executor
     if isinstance(executor, str):

@@ -34,6 +34,6 @@ class SerialExecutor(Executor):
     name = "serial"
 
     def __init__(self, *, dispatch: str = "graph", count_calls: bool = False,
-                 stall_timeout: float | None = STALL_TIMEOUT):
+                 stall_timeout: float | None = STALL_TIMEOUT) -> None:
         super().__init__(dispatch=dispatch, count_calls=count_calls,
                          stall_timeout=stall_timeout)

@@ -6,11 +6,18 @@ parallelism without copying data: every worker reads the same resident arrays.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
 from ..blocks import cpu_count
 from ..errors import check_count
 from .base import STALL_TIMEOUT, Executor
 
 __all__ = ["ThreadExecutor"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class ThreadExecutor(Executor):
@@ -46,7 +53,8 @@ class ThreadExecutor(Executor):
     name = "thread"
 
     def __init__(self, workers: int | None = None, *, dispatch: str = "auto",
-                 count_calls: bool = False, stall_timeout: float | None = STALL_TIMEOUT):
+                 count_calls: bool = False, stall_timeout: float | None = STALL_TIMEOUT,
+                 ) -> None:
         if workers is None:
             workers = cpu_count()
         workers = check_count(workers, "workers", "ThreadExecutor", what="threads")
@@ -61,11 +69,11 @@ class ThreadExecutor(Executor):
     def task_threads(self) -> tuple[int, str]:
         return self._workers, "parallel_backend"
 
-    def submit(self, func, *args):
+    def submit(self, func: Callable[..., _R], *args: Any) -> Future[_R]:
         """``func(*args)`` on one of the pool's threads: a ``concurrent.futures.Future``."""
         return self.task_pool().submit(func, *args)
 
-    def map(self, func, items) -> list:
+    def map(self, func: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         items = list(items)
         if len(items) <= 1 or self._workers == 1:
             return super().map(func, items)

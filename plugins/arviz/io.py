@@ -20,11 +20,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import xarray as xr
 
 from . import container
+
+if TYPE_CHECKING:
+    import arviz
 
 __all__ = ["ENGINE", "load", "read_groups", "save", "write_groups"]
 
@@ -34,10 +38,10 @@ LIST_ATTRS = "parallel_backend_list_attrs"
 #: (ArviZ 1.x's ``sample_dims``), which netCDF cannot store as arrays.
 JSON_ATTRS = "parallel_backend_json_attrs"
 #: netCDF4 with groups, the same library on every stack.
-ENGINE = "h5netcdf"
+ENGINE: Final = "h5netcdf"
 
 
-def save(run, path) -> str:
+def save(run: xr.DataTree | arviz.InferenceData, path: str | os.PathLike[str]) -> str:
     """Write ``run`` (every group and all attributes) to the netCDF file ``path``.
 
     Parameters
@@ -84,7 +88,7 @@ def write_groups(path, groups: dict, attrs: dict) -> str:
     return path
 
 
-def load(path):
+def load(path: str | os.PathLike[str]) -> xr.DataTree | arviz.InferenceData:
     """Read a run written by :func:`save` (under either ArviZ major), fully into memory
     (the file is closed).
 

@@ -34,6 +34,8 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 import jax
@@ -56,7 +58,15 @@ from .placement import RemoteSite, assign, blocks_held, compute_span, forget_rev
 from .protocol import ERROR, GONE, INSTALL_ATTEMPTS, LEAVING, MAX_ROUNDS, OK
 from .transport import LOST, TRANSPORTS, Routes, SchedulerUnreachable
 
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+    from parallel_backend.extend import ChunkResult, SiteState, Task
+
 __all__ = ["DaskExecutor"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 log = logging.getLogger("parallel_backend.dask")
 
@@ -130,10 +140,11 @@ class DaskExecutor(Executor):
 
     name = "dask"
 
-    def __init__(self, client=None, address=None, *, timeout: float = 10.0,
-                 n_workers: int | None = None, threads_per_worker: int = 1,
-                 dispatch: str = "auto", count_calls: bool = False, rebalance: bool = True,
-                 transport: str = "auto", stall_timeout: float | None = STALL_TIMEOUT):
+    def __init__(self, client: Client | None = None, address: str | None = None, *,
+                 timeout: float = 10.0, n_workers: int | None = None,
+                 threads_per_worker: int = 1, dispatch: str = "auto", count_calls: bool = False,
+                 rebalance: bool = True, transport: str = "auto",
+                 stall_timeout: float | None = STALL_TIMEOUT) -> None:
         if client is not None and address is not None:
             raise ValueError("DaskExecutor: give client= or address=, not both")
         if transport not in TRANSPORTS:
@@ -164,7 +175,7 @@ class DaskExecutor(Executor):
         # ``state.placed[REMOTE]`` and goes when the site is evicted or released. Sites
         # evicted from the cache are remembered weakly: one that a compiled program still
         # evaluates sends its data again, kept as long as the SiteState lives (_remote).
-        self._retired = weakref.WeakSet()
+        self._retired: weakref.WeakSet[SiteState] = weakref.WeakSet()
         # (data token, tiles) -> Layout, shared by every site over the same data, so a
         # re-traced model finds its data where it was sent before.
         self._placements: dict = {}
@@ -193,7 +204,7 @@ class DaskExecutor(Executor):
     # -- cluster facts -------------------------------------------------------------
 
     @property
-    def client(self):
+    def client(self) -> Client:
         """The ``distributed.Client`` in use."""
         return self._client
 
@@ -236,7 +247,7 @@ class DaskExecutor(Executor):
         r.layout = self._placements.setdefault((r.data_token, r.tiles), r.layout)
         return r
 
-    def run_tasks(self, tasks):
+    def run_tasks(self, tasks: Sequence[Task]) -> list[ChunkResult]:
         """Each task's blocks on the worker that holds their data (cut where a task spans
         two workers' shares): only the chunk and its parameters travel."""
         self.check_open()
@@ -265,10 +276,12 @@ class DaskExecutor(Executor):
                       type(e).__name__, e)
             raise cluster.scheduler_lost(self._live.scheduler_address, e) from e
 
-    def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
+    def bytes_per_call(self, traced: Sequence[ArrayLike], shared: Sequence[ArrayLike],
+                       n_tasks: int) -> int:
         return 0  # counted message by message in _send
 
-    def bytes_per_result(self, values, shared_grads, data_grads) -> int:
+    def bytes_per_result(self, values: ArrayLike, shared_grads: Sequence[ArrayLike],
+                         data_grads: Sequence[ArrayLike]) -> int:
         return 0  # counted message by message in _send
 
     def _retire(self, state) -> None:
@@ -327,7 +340,7 @@ class DaskExecutor(Executor):
                           for i in orphans)
             groups = assign(shards, owners, pending, alive)  # gives the orphans new owners
             if orphans:
-                moved = {}
+                moved: dict[str, int] = {}
                 for i in orphans:
                     moved[owners[i]] = moved.get(owners[i], 0) + shards[i].count
                 log.log(logging.INFO if retired else logging.WARNING,
@@ -462,16 +475,18 @@ class DaskExecutor(Executor):
 
     # -- one-off work --------------------------------------------------------------
 
-    def map(self, func, items) -> list:
+    def map(self, func: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         self.check_open()
         # Run with the caller's precision: a worker's JAX defaults to float32.
-        task = remote.WithPrecision(func, bool(jax.config.jax_enable_x64))
+        # jax before 0.12 gives its options no types (it sets them by setattr)
+        x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined, unused-ignore]
+        task = remote.WithPrecision(func, x64)
         futures = self._client.map(task, list(items), pure=False)
         return self._client.gather(futures)
 
     # -- reporting and shutdown ----------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """As :meth:`Executor.stats <parallel_backend.Executor.stats>`, plus
         ``worker_failures``, ``data_bytes_sent`` (data installed on workers, included
         in ``bytes_sent``), ``replacements`` (times data was moved to weigh the workers),

@@ -102,7 +102,7 @@ def content_token(arrays, plan) -> str:
     h.update(repr((plan.n_rows, plan.block_rows)).encode())
     for x in arrays:
         h.update(repr((x.shape, x.dtype.str)).encode())
-        h.update(memoryview(np.ascontiguousarray(x)).cast("B"))
+        h.update(np.ascontiguousarray(x).data.cast("B"))
     return h.hexdigest()
 
 

@@ -87,8 +87,8 @@ class Routes:
         self.timeout = timeout
         self._route: dict = {}  # address -> DIRECT or SCHEDULER
         self._probes: dict = {}  # address -> asyncio.Task of its probe
-        self._cost = {DIRECT: collections.deque(maxlen=KEPT),
-                      SCHEDULER: collections.deque(maxlen=KEPT)}
+        self._cost: dict[str, collections.deque[float]] = {
+            DIRECT: collections.deque(maxlen=KEPT), SCHEDULER: collections.deque(maxlen=KEPT)}
 
     # -- choosing ------------------------------------------------------------------
 

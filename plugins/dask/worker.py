@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 from concurrent.futures import CancelledError
+from typing import cast
 
 import cloudpickle
 import numpy as np
@@ -70,7 +71,7 @@ class WorkerState(WorkerPlugin):
             os.environ["XLA_FLAGS"] = f"{flags} {XLA_FLAGS}".strip()
         threads = getattr(worker.state, "nthreads", None) or getattr(worker, "nthreads", 1)
         self.address = worker.address
-        self.threads = max(1, int(threads))
+        self.threads = max(1, int(cast(int, threads)))
         self.pool = self.new_pool()
         self.specs: dict = {}  # site token -> SiteSpec
         self.sites: dict = {}  # site token -> Program, built at the site's first chunk
@@ -182,8 +183,8 @@ class WorkerState(WorkerPlugin):
 
 def _quiet_runs(record: logging.LogRecord) -> bool:
     """Drop dask's "Run out-of-band function" line for this module's own functions."""
-    return not (record.msg == "Run out-of-band function %r" and record.args
-                and record.args[0] in _MESSAGES)
+    return not (record.msg == "Run out-of-band function %r" and isinstance(record.args, tuple)
+                and record.args and record.args[0] in _MESSAGES)
 
 
 def _covers(outer, inner) -> bool:

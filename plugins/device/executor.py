@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,11 @@ from parallel_backend.extend import (
 
 from .layout import DeviceLayout, DeviceShare, Params, device_layout, spread_blocks
 from .notes import check_devices, route_notes
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+    from parallel_backend.extend import ChunkResult, SiteState
 
 __all__ = ["DeviceExecutor"]
 
@@ -136,8 +143,9 @@ class DeviceExecutor(Executor):
 
     name = "device"
 
-    def __init__(self, devices=None, *, dispatch: str = "auto", count_calls: bool = False,
-                 stall_timeout: float | None = STALL_TIMEOUT):
+    def __init__(self, devices: Sequence[jax.Device] | None = None, *, dispatch: str = "auto",
+                 count_calls: bool = False, stall_timeout: float | None = STALL_TIMEOUT,
+                 ) -> None:
         devices = check_devices(devices)
         dispatch, notes = route_notes(devices, dispatch)
         super().__init__(dispatch=dispatch, count_calls=count_calls,
@@ -156,7 +164,7 @@ class DeviceExecutor(Executor):
             warnings.warn("DeviceExecutor: " + " ".join(notes), UserWarning, stacklevel=2)
 
     @property
-    def devices(self) -> tuple:
+    def devices(self) -> tuple[jax.Device, ...]:
         """The devices the blocks are split over."""
         return self._devices
 
@@ -164,13 +172,13 @@ class DeviceExecutor(Executor):
     def workers(self) -> int:
         return len(self._devices)
 
-    def decide(self, state):
+    def decide(self, state: SiteState) -> str:
         """As :meth:`Executor.decide`; ``"graph"`` (in place) inside ``pmap``."""
         if _in_place():
             return "graph"
         return super().decide(state)
 
-    def has_host_path(self, state) -> bool:
+    def has_host_path(self, state: SiteState) -> bool:
         """Never inside ``pmap`` (in place), nor on an accelerator (see
         :data:`.notes.HOST_ROUTE_WAITS`)."""
         return self._devices[0].platform == "cpu" and not _in_place()
@@ -210,7 +218,7 @@ class DeviceExecutor(Executor):
                 self._keep("shares", state, shares)
         return shares
 
-    def run_tasks(self, tasks):
+    def run_tasks(self, tasks: Sequence[Task]) -> list[ChunkResult]:
         """Every device runs the chunks of its own tiles, on its own data, in order (a
         task that straddles two devices' shares is cut at the boundary)."""
         if not tasks:
@@ -240,7 +248,8 @@ class DeviceExecutor(Executor):
             raise
         return [r for per in results for r in per]
 
-    def bytes_per_call(self, traced, shared, n_tasks: int) -> int:
+    def bytes_per_call(self, traced: Sequence[ArrayLike], shared: Sequence[ArrayLike],
+                       n_tasks: int) -> int:
         # Shared parameters go to every busy device once; per-row parameters are split.
         busy = min(n_tasks, len(self._devices))
         return (sum(np.asarray(s).nbytes for s in shared) * busy
@@ -248,7 +257,7 @@ class DeviceExecutor(Executor):
 
     # -- the graph path: a shard_map inside the caller's program --------------------
 
-    def layout(self, state) -> DeviceLayout:
+    def layout(self, state: SiteState) -> DeviceLayout:
         """The ``dispatch="graph"`` device layout of ``state``'s blocks."""
         p = state.spec.plan
         return device_layout(p.n_blocks, p.block_rows, len(self._devices))
@@ -274,7 +283,11 @@ class DeviceExecutor(Executor):
                 placed = self._keep("placed", state, (layout, arrays[:-1], arrays[-1]))
         return placed
 
-    def graph_partials(self, state, traced, shared, diff_traced, diff_shared, set_axes=None):
+    def graph_partials(self, state: SiteState, traced: Sequence[ArrayLike],
+                       shared: Sequence[ArrayLike], diff_traced: Sequence[bool],
+                       diff_shared: Sequence[bool],
+                       set_axes: tuple[Sequence[int | None], Sequence[int | None]] | None = None,
+                       ) -> tuple[Any, ...]:
         """Per-block partials of all blocks, inside the caller's program.
 
         With ``dispatch="graph"`` each device evaluates its own blocks in a
@@ -409,7 +422,7 @@ class DeviceExecutor(Executor):
 
     # -- bookkeeping -----------------------------------------------------------------
 
-    def graph_counts(self, state, calls: int, batches: int) -> dict:
+    def graph_counts(self, state: SiteState, calls: int, batches: int) -> dict[str, int]:
         """Graph evaluations: a block run per busy device each (one in place)."""
         with self._place_lock:
             info = self._kept("params", state) or Params(0, 0, 1)
@@ -419,7 +432,7 @@ class DeviceExecutor(Executor):
             out["bytes_sent"] = (info.replicated * info.devices + info.split) * batches
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """What this executor did since it was made.
 
         Returns

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 try:
     import numpyro
 except ImportError as e:  # pragma: no cover - numpyro is a core dependency
@@ -14,10 +17,15 @@ import parallel_backend as pb
 
 from .replay import INFER_KEY, FactorUnit, factor_sites, honour_plates
 
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
 __all__ = ["factor", "reduce_sum_sites"]
 
 
-def factor(name, fn, data, *shared, executor=None, grainsize=None, block_rows=None):
+def factor(name: str, fn: Callable[..., ArrayLike], data: Any, *shared: Any,
+           executor: pb.Executor | str | None = None, grainsize: int | None = None,
+           block_rows: int | None = None) -> jax.Array:
     """Add ``reduce_sum(fn, data, *shared)`` to the model's log-density as site ``name``.
 
     Like ``numpyro.factor``, but the log-density is evaluated chunk by chunk on an

@@ -13,6 +13,9 @@ checks of a model that was given its observations). Imports jax, numpy and numpy
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +27,11 @@ from parallel_backend.extend import RowSum, reduce_rows
 
 from .internals import handler_stack
 from .replay import INFER_KEY, honour_plates, plates_fit, under_ecs_proxy
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+    import parallel_backend as pb
 
 __all__ = ["ObservedRows", "RowValues", "observe", "pointwise", "unobserved"]
 
@@ -160,16 +168,18 @@ class ObservedRows(Distribution):
         return self._replace(row_mask=full)
 
 
-def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=None,
-            block_rows=None):
+def observe(name: str, dist_fn: Callable[..., Distribution], data: Any, *shared: Any,
+            obs: ArrayLike | None = None, executor: pb.Executor | str | None = None,
+            grainsize: int | None = None, block_rows: int | None = None) -> jax.Array:
     """An observed site over the rows of ``data``, evaluated as ``reduce_sum`` evaluates.
 
     The parallel counterpart of ``numpyro.sample(name, dist_fn(data, *shared), obs=obs)``
     inside a plate over the rows. It may sit inside that plate (with or without
     ``subsample_size``; with it, pass the subsampled rows, ``X[idx]``, ``y[idx]``), inside
-    plates over later batch dims of ``dist_fn``'s, under ``handlers.scale`` with a scalar
-    and ``handlers.mask`` with a scalar or per-row mask: its log-density is the plain
-    site's in the same plates, scale and mask.
+    plates over later batch dims of ``dist_fn``'s, under ``handlers.scale`` with a scalar or
+    an array that broadcasts against the site's batch shape (one weight per row: shape
+    ``(N,)`` for rows alone), and under ``handlers.mask`` with a scalar or per-row mask: its
+    log-density and its gradient are the plain site's in the same plates, scale and mask.
 
     Parameters
     ----------
@@ -199,10 +209,13 @@ def observe(name, dist_fn, data, *shared, obs=None, executor=None, grainsize=Non
         ``dist_fn``'s batch shape does not start with the rows, or ``obs``'s shape does
         not match the distribution's (message names the site, the argument and shapes);
         a plate around the site that would repeat its rows (another size at their dim, or
-        a dim left of the batch shape), or an array ``scale`` (message names the plate,
-        its size and dim, and the shapes).
+        a dim left of the batch shape; message names the plate, its size and dim, and the
+        shapes); one weight per row set as the site's scale by a handler other than
+        ``numpyro.handlers.scale`` (wrap the model in :class:`pointwise`, so that the site
+        gives each row's derivatives).
     TypeError
-        Integer or boolean ``obs`` with a continuous distribution.
+        ``name`` is not a str, ``dist_fn`` is not callable or does not return a NumPyro
+        distribution; integer or boolean ``obs`` with a continuous distribution.
 
     Examples
     --------
@@ -338,7 +351,8 @@ class pointwise(Messenger):
     0.055556
     """
 
-    def __init__(self, fn=None, names=None):
+    def __init__(self, fn: Callable[..., Any] | None = None,
+                 names: Iterable[str] | None = None) -> None:
         self.names = None if names is None else set(names)
         super().__init__(fn)
 
@@ -352,11 +366,12 @@ class unobserved(Messenger):
     ``obs`` and ``pb.observe`` alike; ``pb.factor`` sites and other auxiliary sites are
     left alone. ``names`` limits it to those sites."""
 
-    def __init__(self, fn=None, names=None):
+    def __init__(self, fn: Callable[..., Any] | None = None,
+                 names: Iterable[str] | None = None) -> None:
         self.names = None if names is None else set(names)
         super().__init__(fn)
 
-    def process_message(self, msg):
+    def process_message(self, msg: dict[str, Any]) -> None:
         if (msg["type"] == "sample" and msg.get("is_observed")
                 and not (msg.get("infer") or {}).get("is_auxiliary", False)
                 and (self.names is None or msg["name"] in self.names)):

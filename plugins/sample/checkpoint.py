@@ -139,7 +139,7 @@ def write(path, *, attrs: dict, state_leaves, draws: dict, done, num_warmup: int
     """
     done = np.asarray(done, np.int64)
     n_chains = len(done)
-    groups = {}
+    groups: dict[str, dict] = {}
     for (group, name), value in draws.items():
         value = -value if (group, name) == ("sample_stats", "lp") else value
         dims = ("chain", "draw") + tuple(f"{name}_dim_{i}" for i in range(value.ndim - 2))

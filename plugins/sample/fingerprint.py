@@ -47,7 +47,9 @@ def fingerprint(model, kernel, settings: dict, model_args, model_kwargs) -> dict
     out.update({k: _describe(v) for k, v in settings.items()})
     out["model arguments"] = _structure(args)
     out["model argument values"] = _digest(args)
-    out["precision"] = "float64" if jax.config.jax_enable_x64 else "float32"
+    # jax before 0.12 gives its options no types (it sets them by setattr)
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined, unused-ignore]
+    out["precision"] = "float64" if x64 else "float32"
     out["byte order"] = sys.byteorder  # of the state's bytes
     return out
 

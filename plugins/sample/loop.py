@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ class Lanes(NamedTuple):
     """
 
     kind: str
-    transform: object = None
+    transform: Any = None
 
     def chains(self, num_chains: int) -> list:
         """The chain indices of each lane, in the order they run."""
@@ -149,7 +149,7 @@ class Segments:
         self.args, self.kwargs = model_args, model_kwargs
         self.tick = tick
         #: The sites the traced loop holds (a ``Slots``), once it was traced.
-        self.slots = None
+        self.slots: Slots | None = None
         batched = lanes.kind == "batched"
         one = self._segment(batched)
         if lanes.kind == "mapped":

@@ -213,8 +213,10 @@ def sample(model: Callable[..., Any] | MCMCKernel, *model_args: Any, num_warmup:
         if saved is not None:
             check(saved, print_, path)
             names = ckpt.draw_names(fields, draws)
+            held = saved.draws
+            assert held is not None  # a checkpoint to continue holds its draws (ckpt.read)
             chains.restore(ckpt.unpack(saved.state, jax.tree.leaves(to_host(one))),
-                           [saved.draws[n] for n in names], saved.done)
+                           [held[n] for n in names], saved.done)
         if path is not None:
             on_segment = ckpt.writer(path, chains, fields, draws, print_, history, progress)
         tuner = Tuner(chains.segments, progress)
@@ -223,12 +225,13 @@ def sample(model: Callable[..., Any] | MCMCKernel, *model_args: Any, num_warmup:
         tuner.count_graph_evaluations()
     attrs = {"chain_method": chain_method if isinstance(chain_method, str) else "callable",
              "num_warmup": int(num_warmup), **history.attrs(progress.seconds)}
+    predictive: dict[str, Any] = ({"posterior_predictive": True,
+                                   "predictive_seed": jax.random.fold_in(key, 1)}
+                                  if posterior_predictive else {})
     # From here on the draws exist: whatever fails must not lose them.
     try:
-        run = to_arviz(chains.result(), executor=ex, attrs=attrs,
-                       **({"posterior_predictive": True,
-                           "predictive_seed": jax.random.fold_in(key, 1)}
-                          if posterior_predictive else {}), **(arviz_kwargs or {}))
+        run = to_arviz(chains.result(), executor=ex, attrs=attrs, **predictive,
+                       **(arviz_kwargs or {}))
     except Exception as e:
         raise _rescue(e, path, chains, fields, draws, print_, history, progress) from e
     if path is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -51,11 +52,11 @@ class Tuner:
         self.segments = segments
         self.progress = progress
         self.enabled = enabled
-        self.choices = None  # np.int32 array once the loop is traced
+        self.choices: Any = None  # np.int32 array once the loop is traced
         self.decided = not enabled
         self._plan: list = []  # (iterations, route) still to time
-        self._times = {"graph": [], "host": []}
-        self._iteration_seconds = None
+        self._times: dict[str, list[float]] = {"graph": [], "host": []}
+        self._iteration_seconds: Any = None  # seconds per transition, once probed
         self.segment_log: list = []  # (choices, calls, batches) per segment run
 
     # -- what the next segment is ---------------------------------------------------------
