@@ -7,8 +7,9 @@ steps; a batch of chains evaluates together, as many times as its longest trajec
 needs), which the tuner (:mod:`.tuning`) times per gradient and ``stats()`` reports, and
 shows them where the user looks (:func:`display`): a tqdm bar in a terminal, tqdm's
 notebook bar in Jupyter (``tqdm.auto``; a text bar there without ipywidgets), and
-otherwise (a batch job, a pipe) a line on the :data:`LOGGER` at every tenth of the run
-and when sampling starts. Beside NumPyro's usual figures it shows gradient evaluations
+otherwise (a batch job, a pipe) a line on standard error at every tenth of the run and
+when sampling starts, which is also an INFO record on :data:`LOGGER`
+(``plugins/numpyro/display.py``: where it goes). Beside NumPyro's usual figures it shows gradient evaluations
 per second and the executor's worker count, and, for a run continued from a checkpoint,
 where it was resumed. The callback is always compiled in, shown or not, so
 ``progress_bar`` never changes the compiled program and hence never the draws. NumPyro's
@@ -24,69 +25,17 @@ import shutil
 import sys
 import threading
 import time
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
 
+from ..numpyro.display import DISPLAYS, Lines, display, in_notebook, notebook_tqdm, terminal
+
 __all__ = ["DISPLAYS", "LOGGER", "Progress", "display", "figures", "in_notebook", "terminal"]
 
-#: Where progress goes when there is neither a terminal nor a notebook to draw a bar in:
-#: INFO records, shown once the application configures logging
-#: (``logging.basicConfig(level=logging.INFO)``).
+#: Where progress lines go as records when there is neither a terminal nor a notebook to
+#: draw a bar in (they are written to standard error too, unless logging shows them).
 LOGGER = logging.getLogger("parallel_backend.sample")
-
-#: The places :func:`display` tells apart.
-DISPLAYS = ("terminal", "notebook", "log")
-
-
-def terminal(stream=None) -> bool:
-    """Whether ``stream`` (default ``sys.stdout``) is an interactive terminal."""
-    stream = sys.stdout if stream is None else stream
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
-def in_notebook() -> bool:
-    """Whether this process is a Jupyter kernel (IPython's kernel application runs it)."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    try:
-        shell = ipython.get_ipython()
-    except Exception:  # noqa: BLE001 - a half-imported IPython is not a kernel
-        return False
-    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
-
-
-def display(stream=None) -> str:
-    """Where a progress bar can be seen: ``"terminal"`` (``stream``, default
-    ``sys.stdout``, is one), ``"notebook"`` (a Jupyter kernel, whose output is not a
-    terminal) or ``"log"`` (neither: progress lines go to :data:`LOGGER`).
-
-    >>> import io
-    >>> display(io.StringIO())
-    'log'
-    """
-    if terminal(stream):
-        return "terminal"
-    return "notebook" if in_notebook() else "log"
-
-
-def _notebook_tqdm():
-    """``tqdm.auto``'s class: the notebook widget with ipywidgets, a text bar without."""
-    from tqdm import TqdmExperimentalWarning, TqdmWarning
-
-    with warnings.catch_warnings():
-        # tqdm warns that it falls back to text without ipywidgets, and that its notebook
-        # mode is experimental: either bar works, and the warning would be the only thing
-        # a user sees in the cell until the bar appears.
-        warnings.simplefilter("ignore", TqdmWarning)
-        warnings.simplefilter("ignore", TqdmExperimentalWarning)
-        from tqdm.auto import tqdm
-    return tqdm
 
 
 class Progress:
@@ -100,7 +49,7 @@ class Progress:
     enabled : bool
         Show progress (``False``: count silently).
     file : stream, optional
-        Where a terminal bar goes; default ``sys.stdout``.
+        Where the bar or the lines go; default ``sys.stderr``, as NumPyro's bar.
     where : {"terminal", "notebook", "log"}, optional
         How to show it; default :func:`display`'s answer when the display opens.
     done : int
@@ -139,6 +88,7 @@ class Progress:
         self.seconds = {"warmup": 0.0, "sample": 0.0}
         self.enabled = bool(enabled)
         self.file = file
+        self._lines = Lines(LOGGER, file)
         self.where = where
         self.done = int(done)
         self.count = self.done
@@ -168,17 +118,17 @@ class Progress:
 
             # A terminal that reports no size (a fresh pty) would get an empty bar.
             size = shutil.get_terminal_size((100, 20))
-            self._bar = tqdm(total=self.total, file=self.file or sys.stdout, mininterval=0.2,
+            self._bar = tqdm(total=self.total, file=self.file or sys.stderr, mininterval=0.2,
                              ncols=size.columns if size.columns > 0 else 100,
                              nrows=size.lines if size.lines > 0 else 20, unit="it",
                              desc=self.label(self._phase), initial=self.done)
         elif self.where == "notebook":
-            self._bar = _notebook_tqdm()(total=self.total, file=self.file or sys.stdout,
+            self._bar = notebook_tqdm()(total=self.total, file=self.file or sys.stderr,
                                          mininterval=0.5, unit="it",
                                          desc=self.label(self._phase), initial=self.done)
         else:
             self._next_log = self._tenth_after(self.done)
-            LOGGER.info("%s: %d chains x (%d warmup + %d draws), %d transitions done",
+            self._lines("%s: %d chains x (%d warmup + %d draws), %d transitions done",
                         self.label(self._phase), self.num_chains, self.num_warmup,
                         self.num_samples, self.done)
         return self
@@ -202,7 +152,7 @@ class Progress:
         elif self.enabled and self.where == "log" and self._next_log is not None:
             self._next_log = None
             if self.count != self._logged:  # the run ended between two tenths
-                LOGGER.info("%s", self._log_line(time.perf_counter()))
+                self._lines("%s", self._log_line(time.perf_counter()))
 
     def _tenth_after(self, count: int) -> int:
         """The count of transitions at which the run reaches the tenth after ``count``'s."""
@@ -227,7 +177,7 @@ class Progress:
             if self._bar is not None:
                 self._bar.set_description(self.label(name), refresh=False)
             elif self.enabled and self.where == "log" and before == "warmup":
-                LOGGER.info("%s: started after %.1f s of warmup", self.label(name),
+                self._lines("%s: started after %.1f s of warmup", self.label(name),
                             self.seconds["warmup"])
 
     def tick(self, i, num_steps, step_size, accept_prob, diverging) -> None:
@@ -259,7 +209,7 @@ class Progress:
             elif self._next_log is not None and self.count >= self._next_log:
                 self._next_log = self._tenth_after(self.count)
                 self._logged = self.count
-                LOGGER.info("%s", self._log_line(now))
+                self._lines("%s", self._log_line(now))
 
     def postfix(self) -> str:
         steps, size, acc = self._last

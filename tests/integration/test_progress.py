@@ -1,12 +1,18 @@
 """Where ``pb.sample``'s progress goes: a bar on a terminal (``test_sample.py`` runs one on
 a pseudo-terminal), a bar in a Jupyter kernel, and lines on the ``parallel_backend.sample``
-logger where no bar can be seen (a batch job, a pipe). The notebooks of ``examples/``
+logger, and on standard error unless logging shows them, where no bar can be seen (a batch
+job, a pipe). The notebooks of ``examples/``
 show the Jupyter bar in their outputs (``test_examples.py``)."""
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,3 +75,31 @@ def test_sample_without_a_terminal_writes_progress_lines_to_the_log(caplog, caps
     assert sum("transitions (" in line for line in lines) == 10
     assert lines[-1].startswith("sample: 120/120 transitions (100%)")
     assert any(line.startswith("sample: started after") for line in lines)
+
+
+def test_a_batch_job_sees_progress_on_stderr(tmp_path):
+    """``python fit.py > out 2> err`` with logging left as Python starts it (nothing shows
+    an INFO record): the progress lines go to standard error, as NumPyro's bar, and
+    nothing to standard output. (Where logging shows the records, each line appears once,
+    as its record: the test above.)"""
+    script = tmp_path / "fit.py"
+    script.write_text(textwrap.dedent("""
+        import parallel_backend as pb
+        from helpers import regression_data, regression_model
+        pb.sample(regression_model, regression_data(300), num_warmup=20, num_samples=10,
+                  num_chains=1, executor="serial", seed=3,
+                  arviz_kwargs={"log_likelihood": False})
+        print("done")
+    """))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.run([sys.executable, str(script)], stdout=out, stderr=err, env=env,
+                              timeout=300, check=False)
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout == "done\n", stdout
+    lines = [ln for ln in stderr.splitlines() if "transitions (" in ln]
+    assert len(lines) == 10, stderr[-3000:]
+    assert lines[0].startswith("warmup: 3/30") and lines[-1].startswith("sample: 30/30"), lines
