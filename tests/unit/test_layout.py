@@ -57,11 +57,48 @@ def test_plugins_import_only_the_declared_interface(path):
                     "use parallel_backend.extend (or add what is missing there)"
 
 
+def typing_only_imports(path: Path) -> dict[str, str]:
+    """``{name: module}`` of the ``from module import name`` statements inside the
+    module-level ``if TYPE_CHECKING:`` blocks of ``path`` (never run)."""
+    out = {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                   "typing.TYPE_CHECKING"):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
+                    out.update({a.asname or a.name: sub.module for a in sub.names})
+    return out
+
+
+#: The facade: the one core module whose type-checking block may name plugins (its lazily
+#: exported names, see test_the_facade_types_its_lazy_names).
+FACADE = CORE / "__init__.py"
+
+
 @pytest.mark.parametrize("path", modules(CORE), ids=lambda p: str(p.relative_to(ROOT)))
 def test_core_imports_no_integration(path):
-    bad = sorted(n for n in imported(path)
+    typing_only = set()
+    if path == FACADE:
+        typing_only = {f"{m}.{n}" for n, m in typing_only_imports(path).items()}
+        typing_only |= set(typing_only_imports(path).values())
+    bad = sorted(n for n in imported(path) - typing_only
                  if n.split(".")[0] in INTEGRATIONS or n.startswith("parallel_backend.plugins"))
     assert not bad, f"the core module {path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_facade_types_its_lazy_names():
+    """The facade's ``if TYPE_CHECKING:`` block imports exactly the names its
+    ``__getattr__`` imports on first use, each from the module that defines it: a type
+    checker sees their real types (tests/unit/test_typing.py), and nothing of it runs, so
+    ``import parallel_backend`` imports no plugin (test_import_is_light)."""
+    import importlib
+
+    typed = typing_only_imports(FACADE)
+    assert set(typed) == set(pb._LAZY)
+    for name, module in typed.items():
+        lazy_module, attr, _ = pb._LAZY[name]
+        assert getattr(importlib.import_module(module), name) is getattr(
+            importlib.import_module(lazy_module), attr), (name, module)
 
 
 #: The core's modules, bottom up: a module imports only modules of the layers below its
@@ -195,8 +232,9 @@ def test_plugins_export_what_users_call():
 
     assert set(numpyro_plugin.__all__) == {"factor", "observe", "unobserved", "log_likelihood",
                                            "pointwise", "pointwise_log_likelihood", "profile"}
-    assert set(arviz_plugin.__all__) == {"to_arviz", "save", "load", "HMC_EXTRA_FIELDS",
+    assert set(arviz_plugin.__all__) == {"to_arviz", "save", "load", "loo", "HMC_EXTRA_FIELDS",
                                          "DATATREE"}
+    assert pb.loo is arviz_plugin.loo
     assert set(sample_plugin.__all__) == {"sample", "CheckpointError", "ConversionError"}
     # the facade's pb.sample is the sample plugin's, and the ArviZ plugin has none
     assert pb.sample is sample_plugin.sample and not hasattr(arviz_plugin, "sample")
