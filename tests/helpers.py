@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from numpyro.infer import MCMC, NUTS
 
 import parallel_backend as pb
 
@@ -57,6 +58,23 @@ def plain_regression_model(data):
     """The same model in plain NumPyro (an observed ``"y"`` site)."""
     alpha, beta, sigma = regression_priors()
     numpyro.sample("y", dist.Normal(alpha + beta * data["x"], sigma), obs=data["y"])
+
+
+def run_nuts(model, executor, data, *, warmup: int, samples: int, seed: int = 0,
+             between=None) -> dict:
+    """One chain of NumPyro's NUTS on ``model(data, executor)``: its draws as NumPy arrays.
+    With ``between`` the chain stops after warmup, calls ``between()`` and samples on from
+    there, as ``MCMC.run`` would have drawn (the same draws: a test may change the cluster
+    in between)."""
+    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
+    key = jax.random.PRNGKey(seed)
+    if between is None:
+        mcmc.run(key, data, executor)
+    else:
+        mcmc.warmup(key, data, executor)
+        between()
+        mcmc.run(mcmc.post_warmup_state.rng_key, data, executor)
+    return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
 
 
 def group_loglik(rows, log_ls):

@@ -18,15 +18,14 @@ import time
 import warnings
 
 import cloudpickle
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from numpyro.infer import MCMC, NUTS
 
 import parallel_backend as pb
+from helpers import run_nuts
 from parallel_backend.plugins.dask.worker import holdings
 
 pytestmark = [pytest.mark.netcluster, pytest.mark.dask, pytest.mark.timeout(420)]
@@ -67,16 +66,6 @@ def model(data, executor=None):
                                            executor=executor, block_rows=BLOCK_ROWS))
 
 
-def run_nuts(executor, data, between=None, warmup=40, samples=40, seed=0):
-    """Warmup, then ``between()``, then sampling: one chain, as ``MCMC.run`` would draw."""
-    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
-    mcmc.warmup(jax.random.PRNGKey(seed), data, executor)
-    if between is not None:
-        between()
-    mcmc.run(mcmc.post_warmup_state.rng_key, data, executor)
-    return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
-
-
 def kill_after(ex, cluster, host: str, calls: int, done: threading.Event, before=None):
     """A thread that kills ``host`` once ``ex`` has made ``calls`` evaluations (calling
     ``before()`` just before)."""
@@ -102,7 +91,7 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, reach, x64):
     (everything goes to w3). Where the client reaches only the scheduler, the executor
     finds that at its first message and sends every message through the scheduler."""
     data = make_data()
-    ref = run_nuts(pb.SerialExecutor(), data)
+    ref = run_nuts(model, pb.SerialExecutor(), data, warmup=40, samples=40)
     cluster = netcluster(reach=reach)
     killed_w1, killed_w2 = threading.Event(), threading.Event()
     with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
@@ -131,7 +120,7 @@ def test_nuts_bitwise_while_workers_die_and_join(netcluster, reach, x64):
             threading.Thread(target=watch, daemon=True).start()
             seen["t2"] = kill_after(ex, cluster, "w2", ex.stats()["calls"] + 20, killed_w2)
 
-        got = run_nuts(ex, data, between)
+        got = run_nuts(model, ex, data, warmup=40, samples=40, between=between)
         seen["t2"].join(5)
         stats = ex.stats()
         held = ex.client.run(holdings, ex._plugin, workers=[seen["w3"]])
@@ -242,7 +231,7 @@ def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
     from benchmarks.netcluster import net
 
     data = make_data(6000)
-    ref = run_nuts(pb.SerialExecutor(), data, warmup=30, samples=30)
+    ref = run_nuts(model, pb.SerialExecutor(), data, warmup=30, samples=30)
     cluster = netcluster({"threads": 1}, {"threads": 2, "rtt_ms": 1.0})
     with pb.DaskExecutor(address=cluster.address, dispatch="host", timeout=30) as ex:
         seen = {}
@@ -265,7 +254,7 @@ def test_scheduler_cut_off_for_seconds_during_nuts(netcluster, x64):
 
         t = threading.Thread(target=cut_when_running, daemon=True)
         t.start()
-        got = run_nuts(ex, data, warmup=30, samples=30)
+        got = run_nuts(model, ex, data, warmup=30, samples=30)
         t.join(10)
         end = ex.stats()["calls"]
     assert "after" in seen, "the cut never happened"

@@ -41,6 +41,10 @@ from numpyro.infer import (
     MixedHMC,
     Predictive,
     Trace_ELBO,
+    TraceMeanField_ELBO,
+    init_to_median,
+    init_to_sample,
+    init_to_uniform,
 )
 from numpyro.infer.autoguide import (
     AutoDelta,
@@ -136,24 +140,36 @@ def _dask():
     return ex
 
 
+def _device():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one CPU device in this process: it warns
+        return pb.DeviceExecutor(devices=jax.devices()[:1], dispatch="host")
+
+
 #: "thread" evaluates the chunks on two threads through the host callback: with the default
 #: dispatch ("auto") a model this small runs in the caller's graph, the program "serial" runs.
+#: "device" is the device map's host route on this process's one device.
 MAKERS = {"serial": pb.SerialExecutor, "thread": lambda: pb.ThreadExecutor(2, dispatch="host"),
-          "dask": _dask}
+          "device": _device, "dask": _dask}
 #: The rows that are cheap run on both executors; DASK adds a real cluster for a
 #: representative subset. Each MCMC or SVI run compiles its own program (a few seconds
 #: each), so most of those rows run on threads by default and on the serial executor with
-#: ``-m slow`` (THREAD).
+#: ``-m slow`` (THREAD). Tests with rows of their own (``table``) list each row once: the
+#: rows in the default run first, then those that run with ``-m slow``.
 EXECUTORS = ["serial", "thread"]
 DASK = EXECUTORS + [pytest.param("dask", marks=pytest.mark.dask)]
 THREAD = [pytest.param("serial", marks=pytest.mark.slow), "thread"]
 THREAD_DASK = THREAD + [pytest.param("dask", marks=pytest.mark.dask)]
 
 
-def _param(p):
-    """``p`` as a ``pytest.param`` (values, marks, id)."""
-    return pytest.param(*p.values, marks=p.marks, id=p.id or p.values[0]) if hasattr(
-        p, "values") else pytest.param(p, id=p)
+def table(default, slow=()):
+    """The rows of a test, each a tuple of its parameters' values with the executor last:
+    those of ``default`` in the default run, those of ``slow`` not among them with
+    ``-m slow``; a "dask" row is marked ``dask`` too. Each row holds its promise once."""
+    rows = [(tuple(v), ()) for v in default]
+    rows += [(tuple(v), (pytest.mark.slow,)) for v in slow if tuple(v) not in set(default)]
+    return [pytest.param(*v, marks=marks + ((pytest.mark.dask,) if v[-1] == "dask" else ()),
+                         id="-".join(v)) for v, marks in rows]
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +273,8 @@ KERNELS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("executor", DASK, indirect=True)
+@pytest.mark.parametrize("executor", table([("serial",)], [("thread",), ("dask",)]),
+                         indirect=True)
 def test_nuts_float64_draws_equal_plain(executor, x64):
     X, y = make_data()
     want = plain_once("NUTS", lambda: run_mcmc(NUTS, plain, X, y))
@@ -407,9 +423,12 @@ GUIDES = {"AutoNormal": AutoNormal, "AutoDelta": AutoDelta,
           "AutoMultivariateNormal": AutoMultivariateNormal}
 
 
-def run_svi(guide, model, X, y, steps=200, **kwargs):
+ELBOS = {"Trace_ELBO": Trace_ELBO, "TraceMeanField_ELBO": TraceMeanField_ELBO}
+
+
+def run_svi(guide, model, X, y, steps=200, elbo="Trace_ELBO", **kwargs):
     g = guide(model)
-    svi = SVI(model, g, numpyro.optim.Adam(0.05), Trace_ELBO())
+    svi = SVI(model, g, numpyro.optim.Adam(0.05), ELBOS[elbo]())
     result = svi.run(jax.random.PRNGKey(0), steps, X, y, progress_bar=False, **kwargs)
     return g, result
 
@@ -421,16 +440,17 @@ def assert_same_fit(got, want):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("guide", "precision", "executor"), [
-    pytest.param(guide, precision, *ex.values, marks=ex.marks, id=f"{guide}-{precision}-{ex.id}")
-    for guide, precision, executors in [
-        ("AutoNormal", "float32", EXECUTORS), ("AutoNormal", "float64", DASK),
-        ("AutoDelta", "float64", THREAD), ("AutoMultivariateNormal", "float64", THREAD)]
-    for ex in map(_param, executors)], indirect=["precision", "executor"])
-def test_svi_autoguide_fit_equals_plain(guide, executor, precision):
+@pytest.mark.parametrize(("guide", "elbo", "precision", "executor"), table([], [
+    *[("AutoNormal", "Trace_ELBO", "float32", ex) for ex in EXECUTORS],
+    *[("AutoNormal", elbo, "float64", ex) for elbo in ELBOS
+      for ex in ("serial", "thread", "device", "dask")],
+    *[(guide, "Trace_ELBO", "float64", ex) for guide in ("AutoDelta", "AutoMultivariateNormal")
+      for ex in EXECUTORS]]), indirect=["precision", "executor"])
+def test_svi_autoguide_fit_equals_plain(guide, elbo, executor, precision):
     X, y = make_data()
-    _, want = plain_once(guide, lambda: run_svi(GUIDES[guide], plain, X, y))
-    _, got = run_svi(GUIDES[guide], observed, X, y, executor=executor)
+    key = guide if elbo == "Trace_ELBO" else (guide, elbo)
+    _, want = plain_once(key, lambda: run_svi(GUIDES[guide], plain, X, y, elbo=elbo))
+    _, got = run_svi(GUIDES[guide], observed, X, y, elbo=elbo, executor=executor)
     assert_same_fit(got, want)
 
 
@@ -480,7 +500,10 @@ def posterior_draws(n=8):
             "s": TRUE["s"] * lin}
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "executor"), table(
+    [("float64", "thread"), ("float64", "device"), ("float64", "dask")],
+    [(p, ex) for p in ("float64", "float32") for ex in EXECUTORS]),
+    indirect=True)
 def test_predictive_draws_equal_plain(executor, precision):
     X, _ = make_data()
     key = jax.random.PRNGKey(3)
@@ -493,16 +516,23 @@ def test_predictive_draws_equal_plain(executor, precision):
         assert np.array_equal(prior_got[k], prior_want[k]), k
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["observe", "factor"])
-@pytest.mark.parametrize("executor", DASK, indirect=True)
+@pytest.mark.parametrize(("model", "precision", "executor"), table(
+    [("observe", "float64", ex) for ex in ("serial", "thread", "device", "dask")],
+    [(m, p, ex) for m in ("observe", "factor") for p in ("float64", "float32")
+     for ex in ("serial", "thread", "dask")]),
+    indirect=["precision", "executor"])
 def test_pb_log_likelihood_equals_numpyros(model, executor, precision):
+    """Shape (draws, rows), and (chains, draws, rows) for draws grouped by chain."""
     X, y = make_data()
+    m = {"observe": observed, "factor": factored}[model]
     want = numpyro.infer.log_likelihood(plain, posterior_draws(), X, y)["y"]
-    got = pb.log_likelihood({"observe": observed, "factor": factored}[model], posterior_draws(),
-                            X, y, executor=executor)
+    got = pb.log_likelihood(m, posterior_draws(), X, y, executor=executor)
     assert set(got) == {"y"} and got["y"].shape == want.shape == (8, N)
     np.testing.assert_allclose(got["y"], want, rtol=rtol_of_precision(), atol=1e-6)
+    by_chain = {k: v.reshape((2, 4) + v.shape[1:]) for k, v in posterior_draws().items()}
+    grouped = pb.log_likelihood(m, by_chain, X, y, executor=executor)["y"]
+    assert grouped.shape == (2, 4, N)
+    np.testing.assert_allclose(grouped.reshape(8, N), want, rtol=rtol_of_precision(), atol=1e-6)
 
 
 @pytest.mark.slow
@@ -563,11 +593,21 @@ def test_arviz_from_numpyro_of_a_pb_observe_model(executor):
     assert n == N and np.isfinite(elpd)
 
 
-def test_initialize_model_equals_plain(executor, precision):
+STRATEGIES = {"init_to_uniform": init_to_uniform, "init_to_median": init_to_median,
+              "init_to_sample": init_to_sample}
+
+
+@pytest.mark.parametrize(("strategy", "precision", "executor"), table(
+    [("init_to_uniform", p, ex) for p in ("float64", "float32") for ex in EXECUTORS]
+    + [(strategy, "float64", "thread") for strategy in ("init_to_median", "init_to_sample")]),
+    indirect=["precision", "executor"])
+def test_initialize_model_equals_plain(strategy, executor, precision):
     X, y = make_data()
     key = jax.random.PRNGKey(1)
-    got = initialize_model(key, observed, model_args=(X, y), model_kwargs={"executor": executor})
-    want = initialize_model(key, plain, model_args=(X, y))
+    init = STRATEGIES[strategy]
+    got = initialize_model(key, observed, model_args=(X, y), model_kwargs={"executor": executor},
+                           init_strategy=init)
+    want = initialize_model(key, plain, model_args=(X, y), init_strategy=init)
     rtol = rtol_of_precision()
     assert_close_tree(got.param_info.z, want.param_info.z, rtol=0)
     np.testing.assert_allclose(got.param_info.potential_energy, want.param_info.potential_energy,
@@ -575,16 +615,22 @@ def test_initialize_model_equals_plain(executor, precision):
     assert_close_tree(got.param_info.z_grad, want.param_info.z_grad, rtol=rtol)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["observe", "observe-in-plate", "factor"])
+@pytest.mark.parametrize(("model", "precision", "executor"), table(
+    [("observe", "float64", ex) for ex in ("serial", "thread", "device", "dask")],
+    [(m, p, ex) for m in ("observe", "observe-in-plate", "factor")
+     for p in ("float64", "float32") for ex in EXECUTORS]),
+    indirect=["precision", "executor"])
 def test_log_density_equals_plain(model, executor, precision):
     X, y = make_data()
     kw = {"observe": {}, "observe-in-plate": {"plate": True}, "factor": {}}[model]
     m = factored if model == "factor" else observed
+    before = executor.stats()["host_calls"]
     for f in (log_joint, jax.jit(log_joint, static_argnums=0)):
         got = f(partial(m, executor=executor, **kw), X, y, params())
         want = log_joint(plain, X, y, params())
         assert_close_tree(got, want, rtol=rtol_of_precision())
+    # the rows were evaluated on the executor's workers (the serial reference: in the graph)
+    assert executor.name == "serial" or executor.stats()["host_calls"] >= before + 2
 
 
 # -- handlers ----------------------------------------------------------------------------------
@@ -603,11 +649,13 @@ HANDLERS = {
 }
 
 
-@pytest.mark.parametrize(("model", "case"), [
-    (model, case) for model in ("observe", "observe-in-plate", "factor") for case in HANDLERS
-    # a pb.factor site has no rows to mask (a factor, as numpyro.factor's)
-    if not (model == "factor" and case == "mask per row")])
-@pytest.mark.slow
+@pytest.mark.parametrize(("model", "case", "precision", "executor"), table(
+    [("observe", case, "float64", "thread") for case in ("scale", "mask per row", "mask False")],
+    [(model, case, p, ex) for model in ("observe", "observe-in-plate", "factor")
+     for case in HANDLERS for p in ("float64", "float32") for ex in EXECUTORS
+     # a pb.factor site has no rows to mask (a factor, as numpyro.factor's)
+     if not (model == "factor" and case == "mask per row")]),
+    indirect=["precision", "executor"])
 def test_handler_log_density_equals_plain(case, model, executor, precision):
     X, y = make_data()
     how = HANDLERS[case]
@@ -655,7 +703,7 @@ def test_condition_and_substitute_equal_plain(executor, precision):
     # the conditioned latent is an observed site now
     tr = handlers.trace(handlers.seed(handlers.condition(observed, data={"a": p["a"]}), 0)
                         ).get_trace(X, y, executor=executor)
-    assert tr["a"]["is_observed"] and tr["y"]["is_observed"]
+    assert tr["a"]["is_observed"] and tr["y"]["is_observed"] and tr["y"]["value"] is y
 
 
 def test_block_hides_the_site(executor):

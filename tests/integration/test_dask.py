@@ -22,11 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numpyro.infer import MCMC, NUTS
 
 import helpers
 import parallel_backend as pb
-from helpers import regression_data, regression_loglik, regression_model
+from helpers import regression_data, regression_loglik, regression_model, run_nuts
 
 distributed = pytest.importorskip("distributed")
 from distributed import Client, LocalCluster
@@ -73,12 +72,6 @@ loglik = regression_loglik
 
 def model(data, executor=None):
     regression_model(data, executor, block_rows=BLOCK_ROWS)
-
-
-def run_nuts(executor, data, warmup=25, samples=25, seed=0):
-    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(seed), data, executor)
-    return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
 
 
 def assert_same_draws(a, b):
@@ -333,8 +326,8 @@ def test_unpicklable_fn_is_named(dask_host, x64):
 
 def test_nuts_draws_identical_to_serial(dask_host, x64):
     data = make_data()
-    got = run_nuts(dask_host, data)
-    ref = run_nuts(pb.SerialExecutor(), data)
+    got = run_nuts(model, dask_host, data, warmup=25, samples=25)
+    ref = run_nuts(model, pb.SerialExecutor(), data, warmup=25, samples=25)
     assert_same_draws(got, ref)
     s = dask_host.stats()
     assert s["calls"] > 40 and s["host_calls"] == s["calls"]
@@ -443,9 +436,9 @@ def test_command_line_cluster_samples(cli_cluster, x64):
     data = make_data()
     with pb.DaskExecutor(address=address, dispatch="host", timeout=30) as ex:
         assert ex.scheduler_address == address and ex.workers == 2
-        got = run_nuts(ex, data, warmup=15, samples=15)
+        got = run_nuts(model, ex, data, warmup=15, samples=15)
         assert ex.stats()["host_calls"] > 20
-    assert_same_draws(got, run_nuts(pb.SerialExecutor(), data, warmup=15, samples=15))
+    assert_same_draws(got, run_nuts(model, pb.SerialExecutor(), data, warmup=15, samples=15))
 
 
 def test_no_workers_left_is_a_clear_error_not_a_hang(cli_cluster, x64):
@@ -488,7 +481,7 @@ def test_new_executor_on_a_scheduler_whose_workers_died_says_so(cli_cluster, x64
     "direct", pytest.param("scheduler", marks=pytest.mark.slow)])
 def test_worker_killed_during_nuts_draws_unchanged(transport, x64):
     data = make_data()
-    ref = run_nuts(pb.SerialExecutor(), data, warmup=40, samples=40)
+    ref = run_nuts(model, pb.SerialExecutor(), data, warmup=40, samples=40)
     with _cluster() as cluster, Client(cluster) as c:
         pids = c.run(os.getpid)
         with pb.DaskExecutor(client=c, dispatch="host", transport=transport) as ex:
@@ -507,7 +500,7 @@ def test_worker_killed_during_nuts_draws_unchanged(transport, x64):
 
             t = threading.Thread(target=kill_when_running, daemon=True)
             t.start()
-            got = run_nuts(ex, data, warmup=40, samples=40)
+            got = run_nuts(model, ex, data, warmup=40, samples=40)
             t.join(5)
             s = ex.stats()
     assert killed.is_set()

@@ -20,14 +20,12 @@ import threading
 import time
 
 import cloudpickle
-import jax
 import numpy as np
 import pytest
-from numpyro.infer import MCMC, NUTS
 
 import helpers
 import parallel_backend as pb
-from helpers import regression_data, regression_model
+from helpers import regression_data, regression_model, run_nuts
 
 pytestmark = [pytest.mark.jobqueue, pytest.mark.dask, pytest.mark.slow,
               pytest.mark.timeout(900)]
@@ -41,15 +39,6 @@ N, BLOCK_ROWS = 36_000, 1000
 
 def model(data, executor=None):
     regression_model(data, executor, block_rows=BLOCK_ROWS)
-
-
-def run_nuts(executor, data, between=None, warmup=60, samples=60, seed=0):
-    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
-    mcmc.warmup(jax.random.PRNGKey(seed), data, executor)
-    if between is not None:
-        between()
-    mcmc.run(mcmc.post_warmup_state.rng_key, data, executor)
-    return {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
 
 
 def _job_cluster():
@@ -70,7 +59,7 @@ def test_adaptive_job_cluster_grows_and_shrinks_under_nuts(caplog, monkeypatch, 
     from distributed import Client
 
     data = regression_data(N, dtype=None)
-    ref = run_nuts(pb.SerialExecutor(), data)
+    ref = run_nuts(model, pb.SerialExecutor(), data, warmup=60, samples=60)
     seen = {"holders": set(), "most": 0}
     with (caplog.at_level(logging.INFO, logger="parallel_backend.dask"),
           _job_cluster() as cluster, Client(cluster) as client):
@@ -100,13 +89,13 @@ def test_adaptive_job_cluster_grows_and_shrinks_under_nuts(caplog, monkeypatch, 
 
             t = threading.Thread(target=watch, daemon=True)
             t.start()
-            got = run_nuts(ex, data, between)
+            got = run_nuts(model, ex, data, warmup=60, samples=60, between=between)
             client.gather(seen["burst"])
             deadline = time.monotonic() + 120  # adapt ends the idle jobs
             while len(client.scheduler_info()["workers"]) > 1 and time.monotonic() < deadline:
                 time.sleep(0.2)
             # A few evaluations more: the workers that left hand their blocks to the one left.
-            run_nuts(ex, data, warmup=2, samples=2)
+            run_nuts(model, ex, data, warmup=2, samples=2)
             stop.set()
             t.join(5)
             s = ex.stats()

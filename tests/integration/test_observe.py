@@ -1,7 +1,8 @@
-"""``pb.observe`` against the same model written the NumPyro way (a plate and an observed
-site), on every kind of executor: log-density and gradients, predictive draws, pointwise
-log-likelihood, SVI, initialisation and handlers; then the errors, and
-``pb.sample(posterior_predictive=True)`` on the installed ArviZ."""
+"""``pb.observe`` beyond NumPyro's inference: what a gradient sends to the workers, the
+errors, and ``pb.sample(posterior_predictive=True)`` on the installed ArviZ. How it
+compares with the same model written the NumPyro way (log-density and gradients,
+predictive draws, pointwise log-likelihood, SVI, initialisation, handlers, NUTS) is the
+table of ``test_compat.py``, one row per promise and executor."""
 
 from __future__ import annotations
 
@@ -16,18 +17,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from numpyro import handlers
-from numpyro.infer import (
-    MCMC,
-    NUTS,
-    SVI,
-    Predictive,
-    Trace_ELBO,
-    TraceMeanField_ELBO,
-    init_to_median,
-    init_to_sample,
-)
-from numpyro.infer.autoguide import AutoNormal
-from numpyro.infer.util import initialize_model, log_density
+from numpyro.infer.util import log_density
 
 import parallel_backend as pb
 from helpers import run_groups
@@ -80,8 +70,8 @@ def _dask():
     return ex
 
 
-EXECUTORS = {"serial": lambda: pb.SerialExecutor(), "thread": lambda: pb.ThreadExecutor(
-    2, dispatch="host"), "device": _device, "dask": _dask}
+EXECUTORS = {"thread": lambda: pb.ThreadExecutor(2, dispatch="host"), "device": _device,
+             "dask": _dask}
 
 
 @pytest.fixture(scope="module", params=list(EXECUTORS))
@@ -101,25 +91,7 @@ def params(dtype=jnp.float64):
     return {k: jnp.asarray(v, dtype) for k, v in PARAMS.items()}
 
 
-# -- equal to the plain model, on every executor -----------------------------------------
-
-
-def test_log_density_and_gradients_equal_plain(executor, x64):
-    X, y = data()
-
-    def ld(model, kwargs):
-        return lambda p: log_density(model, (X, y), kwargs, p)[0]
-
-    want = jax.value_and_grad(ld(plain, {}))(params())
-    for f in (jax.value_and_grad(ld(parallel, {"executor": executor})),
-              jax.jit(jax.value_and_grad(ld(parallel, {"executor": executor})))):
-        got = f(params())
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-10)
-        for k in PARAMS:
-            np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-10, atol=1e-10)
-    # it ran on the executor: the serial reference in the graph, the others on their workers
-    assert executor.stats()["sites"] and (executor.name == "serial"
-                                          or executor.stats()["host_calls"] >= 2)
+# -- what a gradient sends -------------------------------------------------------------------
 
 
 def factor_rows(rows, b, a):
@@ -160,110 +132,6 @@ def test_a_gradient_sends_parameters_and_receives_partials_as_pb_factor(executor
     assert observe == factor, (observe, factor)
     sent, received = observe
     assert 0 < sent < 2048 and 0 < received < 2048, observe  # 4 bytes a row: 16,000+
-    X, _ = data()
-    samples = {"a": jnp.linspace(-1, 1, 4), "b": jnp.ones((4, D)) * 0.2}
-    key = jax.random.PRNGKey(3)
-    want = Predictive(plain, samples)(key, X)["y"]
-    got = Predictive(parallel, samples)(key, X, executor=executor)["y"]
-    assert got.shape == (4, N) and np.array_equal(got, want)
-    prior_want = Predictive(plain, num_samples=5)(key, X)
-    prior_got = Predictive(parallel, num_samples=5)(key, X, executor=executor)
-    for k in ("a", "b", "y"):
-        assert np.array_equal(prior_got[k], prior_want[k]), k
-
-
-def test_log_likelihood_equals_numpyros(executor, x64):
-    X, y = data()
-    samples = {"a": jnp.linspace(-1, 1, 6), "b": jnp.linspace(-1, 1, 18).reshape(6, D)}
-    want = numpyro.infer.log_likelihood(plain, samples, X, y)["y"]
-    got = pb.log_likelihood(parallel, samples, X, y, executor=executor)
-    assert set(got) == {"y"} and got["y"].shape == want.shape == (6, N)
-    np.testing.assert_allclose(got["y"], want, rtol=1e-12, atol=1e-12)
-    grouped = {k: v.reshape((2, 3) + v.shape[1:]) for k, v in samples.items()}
-    by_chain = pb.log_likelihood(parallel, grouped, X, y, executor=executor)["y"]
-    assert by_chain.shape == (2, 3, N)
-    np.testing.assert_array_equal(by_chain.reshape(6, N), got["y"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("elbo", [Trace_ELBO, TraceMeanField_ELBO])
-def test_svi_losses_equal_plain(executor, x64, elbo):
-    X, y = data()
-
-    def losses(model, **kw):
-        guide = AutoNormal(model)
-        svi = SVI(model, guide, numpyro.optim.Adam(0.05), elbo())
-        return svi.run(jax.random.PRNGKey(0), 100, X, y, progress_bar=False, **kw).losses
-
-    np.testing.assert_allclose(losses(parallel, executor=executor), losses(plain),
-                               rtol=1e-9, atol=1e-9)
-
-
-# -- the rest of NumPyro ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("strategy", [init_to_median, init_to_sample])
-def test_initialisation_equal_plain(x64, strategy):
-    X, y = data()
-    key = jax.random.PRNGKey(1)
-    with pb.ThreadExecutor(2, dispatch="host") as ex:
-        got = initialize_model(key, parallel, model_args=(X, y), model_kwargs={"executor": ex},
-                               init_strategy=strategy)
-    want = initialize_model(key, plain, model_args=(X, y), init_strategy=strategy)
-    for k in PARAMS:
-        np.testing.assert_array_equal(got.param_info.z[k], want.param_info.z[k])
-    np.testing.assert_allclose(got.param_info.potential_energy,
-                               want.param_info.potential_energy, rtol=1e-10)
-    for k in PARAMS:
-        np.testing.assert_allclose(got.param_info.z_grad[k], want.param_info.z_grad[k],
-                                   rtol=1e-10, atol=1e-10)
-
-
-def test_handlers_equal_plain(x64):
-    X, y = data()
-    p = params()
-    mask = jnp.arange(N) % 3 != 0
-    cases = {
-        "seed+substitute": lambda m: handlers.substitute(handlers.seed(m, 0), data=p),
-        "condition": lambda m: handlers.condition(handlers.seed(m, 0), data=p),
-        "scale": lambda m: handlers.scale(handlers.substitute(handlers.seed(m, 0), data=p), 0.25),
-        "mask rows": lambda m: handlers.mask(handlers.substitute(handlers.seed(m, 0), data=p),
-                                             mask=mask),
-        "mask off": lambda m: handlers.mask(handlers.substitute(handlers.seed(m, 0), data=p),
-                                            mask=False),
-    }
-
-    def total(wrap, model, **kw):
-        def f(b):
-            tr = handlers.trace(wrap(handlers.substitute(model, data={"b": b}))).get_trace(
-                X, y, **kw)
-            site = tr["y"]
-            lp = site["fn"].log_prob(site["value"])
-            if site.get("scale") is not None:
-                lp = site["scale"] * lp
-            return jnp.sum(lp)
-        return jax.value_and_grad(f)(p["b"])
-
-    with pb.ThreadExecutor(2, dispatch="host") as ex:
-        for label, wrap in cases.items():
-            got, want = total(wrap, parallel, executor=ex), total(wrap, plain)
-            np.testing.assert_allclose(got[0], want[0], rtol=1e-10, err_msg=label)
-            np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12, err_msg=label)
-
-
-def test_nuts_draws_match_plain_and_the_site_is_observed(x64):
-    X, y = data()
-    with pb.ThreadExecutor(2) as ex:
-        def draws(model, **kw):
-            mcmc = MCMC(NUTS(model), num_warmup=100, num_samples=100, progress_bar=False)
-            mcmc.run(jax.random.PRNGKey(0), X, y, **kw)
-            return mcmc.get_samples()
-
-        got, want = draws(parallel, executor=ex), draws(plain)
-    for k in PARAMS:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-8)
-    tr = handlers.trace(handlers.seed(parallel, 0)).get_trace(X, y)
-    assert tr["y"]["is_observed"] and tr["y"]["value"] is y
 
 
 # -- errors --------------------------------------------------------------------------------
