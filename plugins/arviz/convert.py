@@ -177,7 +177,8 @@ def _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims, chunk_
             ll_dims[name] = list(dims[name])
         elif name in sites and sites[name].get("kind") == "observe" and observed is not None \
                 and name in observed:
-            ll_dims[name] = list(observed[name].dims[:1])
+            # the observations' batch dims (the rows, then any later ones), as for a plain site
+            ll_dims[name] = list(observed[name].dims[:v.ndim - 2])
         elif name in sites:
             ll_dims[name] = [f"{name}_dim_0"]
         elif observed is not None and name in observed:

@@ -16,7 +16,6 @@ matrix this avoids). Imports arviz, xarray, numpy and the plugins below it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -122,20 +121,19 @@ def loo(data: Any, model: Any, *model_args: Any, executor: pb.Executor | str | N
                           executor=executor, stack=stack,
                           values_per_group=max(1, int(memory) // BYTES_PER_VALUE))
         dims, coords = _obs_dims(site, groups)
-        elpd_i, pareto_k, p_total, last = [], [], 0.0, None
-        n_rows = int(np.prod(site.shape, dtype=np.int64))
+        elpd_i, pareto_k, p_i, last = [], [], [], None
+        n_rows = site.shape[0] if site.kind == "rows" else int(np.prod(site.shape))
         with Bar(n_rows, f"pb.loo {site.name!r}", LOGGER, enabled=progress_bar,
                  unit="row") as bar:
             for first, end, values in site.groups:
                 last, e, k, p = _group_loo(site.name, values, chains, draws, reff)
                 elpd_i.append(e)
                 pareto_k.append(k)
-                p_total += p
+                p_i.append(p)
                 del values
                 bar.update(end - first)
-    elpd_i_all, k_all = np.concatenate(elpd_i), np.concatenate(pareto_k)
-    return _result(last, site.name, elpd_i_all, k_all, p_total, n_samples, site.shape, dims,
-                   coords, pointwise)
+    return _result(last, site.name, np.concatenate(elpd_i), np.concatenate(pareto_k),
+                   np.concatenate(p_i), n_samples, site.shape, dims, coords, pointwise)
 
 
 def _reff(posterior: xr.Dataset, chains: int, n_samples: int) -> float:
@@ -163,25 +161,29 @@ def _obs_dims(site, groups) -> tuple[list[str], dict]:
 
 
 def _group_loo(name, values, chains, draws, reff):
-    """ArviZ's ``loo`` of one group of rows: its result, and the rows' ``elpd_i``,
-    ``pareto_k`` and summed ``p``."""
+    """ArviZ's PSIS-LOO of one group of rows: the per-row ``elpd_i``, ``pareto_k`` and
+    ``p`` (ArviZ 0.x gives their sum, which adds up over groups as the rows do), and, on
+    ArviZ 0.x, its result object (the type of the whole site's)."""
     da = xr.DataArray(values.reshape(chains, draws, values.shape[1]),
                       dims=("chain", "draw", "__row__"))
     with warnings.catch_warnings():
         # Said once for the whole site (below), not once per group.
         warnings.simplefilter("ignore")
         if container.DATATREE:
-            run = xr.DataTree.from_dict({"log_likelihood": xr.Dataset({name: da})})
-            out = az.loo(run, pointwise=True, var_name=name, reff=reff)
-            return out, np.asarray(out.elpd_i.values), np.asarray(out.pareto_k.values), \
-                float(out.p)
+            # What arviz_stats.loo computes, in its order: the smoothed log weights (which
+            # it also keeps: the draws x rows this avoids), then each row's values.
+            dims = ["chain", "draw"]
+            weights, k = da.azstats.psislw(r_eff=reff, dim=dims)
+            e, k, p = da.azstats.loo(sample_dims=dims, r_eff=reff, log_weights=weights,
+                                     pareto_k=k)
+            return None, np.asarray(e.values), np.asarray(k.values), np.asarray(p.values)
         run = az.InferenceData(log_likelihood=xr.Dataset({name: da}))
         out = az.loo(run, pointwise=True, var_name=name, reff=reff)
         return out, np.asarray(out["loo_i"].values), np.asarray(out["pareto_k"].values), \
-            float(out["p_loo"])
+            np.array([float(out["p_loo"])])
 
 
-def _result(last, name, elpd_i, pareto_k, p, n_samples, shape, dims, coords, pointwise):
+def _result(last, name, elpd_i, pareto_k, p_i, n_samples, shape, dims, coords, pointwise):
     """The installed ArviZ's LOO object for the whole site, built as ``arviz.loo`` builds
     it from the per-row values."""
     n = int(elpd_i.size)
@@ -197,20 +199,20 @@ def _result(last, name, elpd_i, pareto_k, p, n_samples, shape, dims, coords, poi
     def array(v):
         return xr.DataArray(v.reshape(shape), dims=dims, coords=coords, name=name)
 
-    elpd = float(np.sum(elpd_i))
     if container.DATATREE:
-        se = float(np.sqrt(n * np.var(elpd_i, ddof=1))) if n > 1 else 0.0
-        fields = {f.name for f in dataclasses.fields(last)}
-        # Per-row or per-draw fields a group's result holds for its rows alone: none here.
-        dropped = {f: None for f in ("log_weights", "p_loo_i", "log_jacobian",
-                                     "influence_pareto_k", "n_eff_i") if f in fields}
-        return dataclasses.replace(
-            last, elpd=elpd, se=se, p=float(p), n_samples=int(n_samples), n_data_points=n,
-            warning=warn, good_k=good_k, elpd_i=array(elpd_i) if pointwise else None,
-            pareto_k=array(pareto_k) if pointwise else None, **dropped)
-    se = float((n * np.var(elpd_i)) ** 0.5)
+        from arviz_stats import ELPDDataLOO
+
+        elpd_da = xr.DataArray(elpd_i)
+        elpd, se, p, _ = elpd_da.azstats.loo_summary(xr.DataArray(p_i))  # ArviZ's totals
+        return ELPDDataLOO(
+            elpd=float(elpd), se=float(se), p=float(p), n_samples=int(n_samples),
+            n_data_points=n, scale="log", warning=warn, good_k=good_k,
+            elpd_i=array(elpd_i) if pointwise else None,
+            pareto_k=array(pareto_k) if pointwise else None, approx_posterior=False)
+    # ArviZ 0.x's totals, as its loo computes them
+    elpd, se = float(elpd_i.sum()), float((n * np.var(elpd_i)) ** 0.5)
     index = ["elpd_loo", "se", "p_loo", "n_samples", "n_data_points", "warning"]
-    values = [elpd, se, float(p), int(n_samples), n, warn]
+    values = [elpd, se, float(np.sum(p_i)), int(n_samples), n, warn]
     if pointwise:
         index += ["loo_i", "pareto_k"]
         values += [array(elpd_i), array(pareto_k)]

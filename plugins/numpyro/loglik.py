@@ -12,6 +12,7 @@ the core's public names; never ArviZ.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,9 +22,12 @@ import numpy as np
 
 import parallel_backend as pb
 
+from .display import Bar
 from .replay import factor_sites, quietly, trace_model
 
 __all__ = ["LogLikPlan", "default_chunks", "log_likelihood", "pointwise_log_likelihood"]
+
+LOGGER = logging.getLogger("parallel_backend.log_likelihood")
 
 #: Draws x rows evaluated per task, by default (float32: 1 MiB of output per task).
 TASK_VALUES = 2 ** 18
@@ -50,7 +54,7 @@ class LogLikPlan(NamedTuple):
 
 
 def log_likelihood(model: Callable[..., Any], samples: dict[str, Any], *model_args: Any,
-                   executor: pb.Executor | str | None = None,
+                   executor: pb.Executor | str | None = None, progress_bar: bool = True,
                    **model_kwargs: Any) -> dict[str, np.ndarray]:
     """Pointwise log-likelihood of every ``pb.factor``, ``pb.observe`` and observed site.
 
@@ -70,12 +74,17 @@ def log_likelihood(model: Callable[..., Any], samples: dict[str, Any], *model_ar
     executor : Executor or str, optional
         Who evaluates the rows; default: each site's own ``executor=``, else the
         innermost ``use_executor``, else the default executor.
+    progress_bar : bool
+        Show progress over the draws (on stderr: a bar in a terminal or Jupyter, else a
+        line at each tenth; see ``plugins/numpyro/display.py``).
 
     Returns
     -------
     dict
-        ``{site: np.ndarray}``, ``(draws, N)`` (or ``(chains, draws, N)``) per ``pb.factor``
-        and ``pb.observe`` site, ``(draws, *batch_shape)`` per other observed site.
+        ``{site: np.ndarray}`` with the draws' axes (``(draws,)`` or ``(chains, draws)``),
+        then ``(N,)`` per ``pb.factor`` site and the distribution's batch shape (the rows
+        first) per ``pb.observe`` and other observed site: the values and shapes
+        ``numpyro.infer.log_likelihood`` gives for the plain model.
 
     Examples
     --------
@@ -95,8 +104,10 @@ def log_likelihood(model: Callable[..., Any], samples: dict[str, Any], *model_ar
     lead = _batch_dims(model, samples, model_args, model_kwargs)
     shape = tuple(jnp.shape(next(iter(samples.values())))[:lead])
     flat = {k: jnp.reshape(v, (-1,) + tuple(jnp.shape(v)[lead:])) for k, v in samples.items()}
-    values, _ = pointwise_log_likelihood(model, flat, *model_args, executor=executor,
-                                         **model_kwargs)
+    n_draws = int(np.prod(shape, dtype=np.int64))
+    with Bar(n_draws, "pb.log_likelihood", LOGGER, enabled=progress_bar, unit="draw") as bar:
+        values, _ = pointwise_log_likelihood(model, flat, *model_args, executor=executor,
+                                             progress=bar, **model_kwargs)
     return {k: np.reshape(v, shape + v.shape[1:]) for k, v in values.items()}
 
 
@@ -127,7 +138,7 @@ def default_chunks(n_draws: int, n_rows: int) -> tuple[int, int]:
 
 
 def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, chunk_draws=None,
-                             chunk_rows=None, observed=True, **model_kwargs):
+                             chunk_rows=None, observed=True, progress=None, **model_kwargs):
     """Log-likelihood of every row of every ``pb.factor`` site, at every draw.
 
     Parameters
@@ -150,12 +161,15 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
         besides the result.
     observed : bool
         Also return ``log_prob`` of the model's ordinary observed sites.
+    progress : optional
+        Told each chunk of draws done (``progress.update(draws)``: a
+        :class:`~.display.Bar`).
 
     Returns
     -------
     values : dict
         ``{site: np.ndarray}`` of shape ``(D, N)`` for ``pb.factor`` sites and
-        ``(D, *batch_shape)`` for observed sites.
+        ``(D, *batch_shape)`` for ``pb.observe`` (the rows first) and observed sites.
     plans : dict
         ``{site: LogLikPlan}`` for the ``pb.factor`` sites.
 
@@ -206,12 +220,15 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
                 task = _Task(evaluators[name], replay.site_leaves(name, dep_vals))
                 parts = executors[name].map(task, starts)
                 tasks[name] += len(starts)
-                if name not in values:
-                    values[name] = np.empty((n_draws, replay.sizes[name]), parts[0].dtype)
+                if name not in values:  # the rows, then a pb.observe site's later batch dims
+                    values[name] = np.empty((n_draws, replay.sizes[name]) + parts[0].shape[2:],
+                                            parts[0].dtype)
                 for r0, part in zip(starts, parts):
                     r1 = min(r0 + cr, replay.sizes[name])
                     values[name][d0:d1, r0:r1] = part[: d1 - d0, : r1 - r0]
             del dep_vals
+            if progress is not None:
+                progress.update(d1 - d0)
     plans = {name: LogLikPlan(cd_all, chunks[name][1], tasks[name]) for name in names}
     return values, plans
 
@@ -259,7 +276,7 @@ class _Replay:
             out = {}
             for name, info in sites.items():
                 flat, treedef = jax.tree.flatten((info["data"], info["shared"]))
-                self.static[name] = _Static(info["fn"], treedef,
+                self.static[name] = _Static(info.get("values", info["fn"]), treedef,
                                             len(jax.tree.leaves(info["data"])), info["executor"])
                 out[name] = flat
             obs = {}
@@ -356,9 +373,10 @@ class _Evaluator:
         if self._jitted is None:
             self._jitted = self._build()
         out = self._jitted(leaves, np.int32(r0))
-        if out.shape[-1] != self.chunk_rows:
+        if out.ndim < 2 or out.shape[1] != self.chunk_rows:
             raise ValueError(f"log-likelihood: fn must return one value per row, shape "
-                             f"({self.chunk_rows},); got {out.shape[1:]}")
+                             f"({self.chunk_rows},) (or, for pb.observe, its distribution's "
+                             f"batch shape, the rows first); got {out.shape[1:]}")
         return out
 
 

@@ -115,7 +115,11 @@ class ObservedRows(Distribution):
         """The ``reduce_sum`` inputs of the site (as :func:`.replay.site_inputs` gives)."""
         rows = (self.data, self.obs) if self.row_mask is None else (
             self.data, self.obs, self.row_mask)
-        return {"fn": RowSum(RowValues(self.dist_fn, self.row_mask is not None)), "data": rows,
+        values = RowValues(self.dist_fn, self.row_mask is not None)
+        # "fn" gives one value per row (what reduce_sum sums); "values" the log-density of
+        # each element of the batch shape, the rows first: what the pointwise
+        # log-likelihood keeps, as numpyro.infer.log_likelihood does for the plain site.
+        return {"fn": RowSum(values), "values": values, "data": rows,
                 "shared": self.shared, "executor": self.executor, "grainsize": self.grainsize,
                 "block_rows": self.block_rows, "kind": "observe"}
 

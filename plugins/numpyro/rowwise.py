@@ -37,13 +37,14 @@ class RowGroups(NamedTuple):
     name : str
         The site.
     shape : tuple
-        Its observations' shape: ``(N,)`` for a ``pb.factor``/``pb.observe`` site, the
-        batch shape of a plain observed site (its rows are those elements, flattened).
+        Its observations' shape: ``(N,)`` for a ``pb.factor`` site, the batch shape (the
+        rows first) of a ``pb.observe`` or plain observed site.
     kind : str
         ``"rows"`` (``pb.factor``/``pb.observe``) or ``"observed"`` (a plain site).
     groups : iterator
-        ``(first, end, values)``: the rows ``[first, end)`` and their log-likelihood,
-        ``(draws, end - first)``, in row order.
+        ``(first, end, values)``: the rows ``[first, end)`` (of a plain site: its
+        flattened elements) and their log-likelihood, ``(draws, values)``, in row order (a
+        ``pb.observe`` row's later batch elements flattened after it, in C order).
     """
 
     name: str
@@ -97,16 +98,30 @@ def row_groups(model: Any, samples: dict, model_args: tuple = (),
         raise ValueError(f"{what}: var_name={var_name!r} is not an observed site of the model; "
                          f"its observed sites are {names}")
     if var_name in replay.names:
-        shape = (replay.sizes[var_name],)
+        with quietly():
+            shape = _value_shape(replay, var_name)
         kind = "rows"
     else:
         shape = replay.observed_shapes()[var_name][0]
         kind = "observed"
-    n_rows = int(np.prod(shape, dtype=np.int64))
-    per_group = max(1, min(n_rows, values_per_group // max(n_draws, 1)))
+    # A site's rows are evaluated whole: a group is site rows (each of `width` values); a
+    # plain site's groups are of its flattened elements.
+    width = int(np.prod(shape[1:], dtype=np.int64)) if kind == "rows" else 1
+    n_rows = shape[0] if kind == "rows" else int(np.prod(shape, dtype=np.int64))
+    per_group = max(1, min(n_rows, values_per_group // max(n_draws * width, 1)))
     groups = _groups(replay, var_name, kind, samples, n_draws, n_rows, per_group, executor,
                      outer, stack)
     return RowGroups(var_name, tuple(int(s) for s in shape), kind, groups)
+
+
+def _value_shape(replay, name) -> tuple:
+    """The shape of one draw's values of a ``pb.factor``/``pb.observe`` site: ``(N,)``, or
+    the distribution's batch shape of a ``pb.observe`` site (the rows first)."""
+    static, ids = replay.static[name], replay.slots[0][name]
+    leaves = [jax.ShapeDtypeStruct(replay.flat_shapes[i].shape, replay.flat_shapes[i].dtype)
+              for i in ids]
+    data, shared = jax.tree.unflatten(static.treedef, leaves)
+    return tuple(jax.eval_shape(lambda d, s: static.fn(d, *s), data, shared).shape)
 
 
 def _groups(replay, name, kind, samples, n_draws, n_rows, per_group, executor, outer, stack):
@@ -129,9 +144,9 @@ def _groups(replay, name, kind, samples, n_draws, n_rows, per_group, executor, o
                         part = part.reshape(part.shape[0], -1)[: d1 - d0, first:end]
                     else:
                         part = _rows(replay, name, ex, evaluators, dep, cd, first, end)
-                        part = part[: d1 - d0]
+                        part = part[: d1 - d0].reshape(d1 - d0, -1)
                 if out is None:
-                    out = np.empty((n_draws, end - first), part.dtype)
+                    out = np.empty((n_draws, part.shape[1]), part.dtype)
                 out[d0:d1] = part
             yield first, end, out
             del out
@@ -156,7 +171,7 @@ def _rows(replay, name, ex, evaluators, dep, cd, first, end) -> np.ndarray:
     task = _Task(evaluate, replay.site_leaves(name, dep))
     starts = list(range(first, end, rows))
     parts = ex.map(task, starts)
-    out = np.empty((cd, end - first), parts[0].dtype)
+    out = np.empty((cd, end - first) + parts[0].shape[2:], parts[0].dtype)
     for r0, part in zip(starts, parts):
         r1 = min(r0 + rows, end)
         out[:, r0 - first:r1 - first] = part[:, : r1 - r0]

@@ -117,6 +117,7 @@ def test_compare_takes_it_and_pointwise_false_keeps_only_the_totals(run, data):
     assert set(table.index) == {"pb", "arviz"}
 
 
+@pytest.mark.slow
 def test_memory_bounds_what_is_held(data):
     """The draws x rows matrix is never formed: numpy's peak while ``pb.loo`` runs over
     20,000 rows x 200 draws (16 MB of float32 values, twice that in float64) with a 1 MB
@@ -149,3 +150,35 @@ def test_bad_input_is_named(run, data):
              type(run).from_dict({"observed_data": run.observed_data.to_dataset()}))
     with pytest.raises(ValueError, match="data must be a run with a posterior group"):
         pb.loo(empty, model, *data)
+
+
+def wide_model(x, y=None):
+    """A pb.observe site whose distribution's batch shape is rows x 3: every element is an
+    observation, as for the plain site (numpyro.infer.log_likelihood's shapes)."""
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    pb.observe("y", lambda x, b: dist.Normal(b * x[:, None], 1.0), x, b, obs=y)
+
+
+def test_an_observation_is_an_element_of_the_batch_shape_everywhere(data):
+    """``pb.log_likelihood``, the run's ``log_likelihood`` group and ``pb.loo`` keep a
+    ``pb.observe`` site's later batch dims, as ``numpyro.infer.log_likelihood`` does for the
+    plain model (API.md sections 4 and 9)."""
+    x = data[0][:40]
+    y = jnp.asarray(np.random.default_rng(5).normal(size=(40, 3)), jnp.float32)
+
+    def plain(x, y=None):
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with numpyro.plate("rows", x.shape[0], dim=-2), numpyro.plate("k", 3, dim=-1):
+            numpyro.sample("y", dist.Normal(b * x[:, None], 1.0), obs=y)
+
+    draws = {"b": jnp.asarray(np.random.default_rng(6).normal(size=(2, 5, 3)), jnp.float32)}
+    want = numpyro.infer.log_likelihood(plain, draws, x, y, batch_ndims=2)["y"]
+    got = pb.log_likelihood(wide_model, draws, x, y)["y"]
+    assert got.shape == want.shape == (2, 5, 40, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    fit = pb.sample(wide_model, x, y, num_warmup=50, num_samples=50, num_chains=2, seed=4,
+                    progress_bar=False, executor="serial")
+    assert fit.log_likelihood["y"].shape == (2, 50, 40, 3)
+    result = pb.loo(fit, wide_model, x, y, memory=100 * 7 * 3 * 32, progress_bar=False)
+    assert_equal_loo(result, az.loo(fit, pointwise=True))
+    assert fields(result)["n_data_points"] == 120
