@@ -24,6 +24,7 @@ alike); the report gives medians.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,7 @@ from numpyro.primitives import Messenger
 import parallel_backend as pb
 from parallel_backend.extend import cpu_count, row_bytes
 
+from .display import Bar
 from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
 
 if TYPE_CHECKING:
@@ -66,13 +68,16 @@ __all__ = [
     "warm_up",
 ]
 
+LOGGER = logging.getLogger("parallel_backend.profile")
+
 #: An executor must beat plain NumPyro by this factor to be recommended.
 MARGIN = 1.1
 
 
 def profile(model: Callable[..., Any], *model_args: Any,
             executors: Sequence[Any] | Mapping[str, Any] | None = None, nuts: bool = True,
-            chains: int = 1, **model_kwargs: Any) -> ProfileReport:
+            chains: int = 1, progress_bar: bool = True,
+            **model_kwargs: Any) -> ProfileReport:
     """Time one gradient of ``model``'s log-density in plain NumPyro and on each executor.
 
     Finds the model's ``pb.factor`` and observed ``pb.observe`` sites and builds, per
@@ -113,6 +118,9 @@ def profile(model: Callable[..., Any], *model_args: Any,
         drawn with seeds ``0 .. chains - 1``), and the NUTS runs sample that many
         vectorized chains. Vectorized chains can rank the executors differently from
         one chain (``docs/performance.md``): profile with the chains you will run.
+    progress_bar : bool
+        Show progress over the steps (compiling each variant, the timed rounds, the
+        NUTS runs) on stderr: a bar in a terminal or Jupyter, else a line per step.
 
     Returns
     -------
@@ -148,14 +156,20 @@ def profile(model: Callable[..., Any], *model_args: Any,
         raise ValueError(f"profile: chains must be a positive int, got {chains!r}")
     targets = executors_to_profile(executors)
     try:
-        return _profile(model, model_args, model_kwargs, targets, nuts, int(chains))
+        steps = len(targets) + 2 + (2 if nuts else 0)
+        with Bar(steps, "pb.profile", LOGGER, enabled=progress_bar, unit="step") as bar:
+            return _profile(model, model_args, model_kwargs, targets, nuts, int(chains), bar)
     finally:
         for _, ex, owned in targets:
             if owned:
                 ex.close()
 
 
-def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1):
+def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1, bar=None):
+    def step(what):
+        if bar is not None:
+            bar.update(1, what)
+
     with quietly():
         sites = factor_sites(trace_model(model, model_args, model_kwargs))
         if not sites:
@@ -175,7 +189,9 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1):
             # on the same executor, not on the process-wide default.
             with pb.use_executor(ex or scratch):
                 variants.append((gradient_fn(model, model_args, model_kwargs, ex, chains), ex))
+            step(f"built {_label(ex) if ex is not None else 'plain NumPyro'}")
         timed = _time(variants, z)
+        step("compiled and timed")
     labels = ["plain NumPyro"] + [label for label, _, _ in targets]
     rows = _rows(labels, [ex for _, ex in variants], timed)
     site_info = _site_info(sites, [ex for _, ex in variants[1:]])
@@ -188,7 +204,9 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1):
         with quietly():
             plain = nuts_ms_per_gradient(model, model_args, model_kwargs, None, draws,
                                          chains=chains)
+        step("NUTS in plain NumPyro")
         on_ex = nuts_ms_per_gradient(model, model_args, model_kwargs, ex, draws, chains=chains)
+        step(f"NUTS on {best.executor}")
         in_nuts = {"plain NumPyro": plain, best.executor: on_ex}
         recommendation, best = _check_in_nuts(recommendation, best, plain, on_ex)
     return ProfileReport(rows, site_info, recommendation, best, samples, in_nuts, chains)

@@ -103,3 +103,27 @@ def test_a_batch_job_sees_progress_on_stderr(tmp_path):
     lines = [ln for ln in stderr.splitlines() if "transitions (" in ln]
     assert len(lines) == 10, stderr[-3000:]
     assert lines[0].startswith("warmup: 3/30") and lines[-1].startswith("sample: 30/30"), lines
+
+
+def test_log_likelihood_and_profile_show_progress_on_stderr(capsys):
+    """Where no bar can be seen and logging shows nothing: a line per tenth of the draws of
+    ``pb.log_likelihood``, a line per step of ``pb.profile``, on stderr; none with
+    ``progress_bar=False``."""
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        pb.observe("y", lambda z, mu: dist.Normal(mu + z, 1.0), jnp.zeros(y.shape[0]), mu, obs=y)
+
+    y = jnp.linspace(-1.0, 1.0, 50)
+    pb.log_likelihood(lambda y: model(y), {"mu": jnp.zeros(20)}, y)
+    err = capsys.readouterr().err
+    assert "pb.log_likelihood: 20 draws" in err and "pb.log_likelihood: 20/20 draws (100%)" in err
+    pb.profile(model, y, executors=[pb.SerialExecutor()], nuts=False)
+    err = capsys.readouterr().err
+    assert "pb.profile: 3 steps" in err and "pb.profile: 3/3 steps (100%)" in err, err
+    assert "built plain NumPyro" in err, err
+    pb.log_likelihood(model, {"mu": jnp.zeros(20)}, y, progress_bar=False)
+    assert capsys.readouterr().err == ""
