@@ -313,9 +313,10 @@ def test_predictive_and_log_likelihood_inside_plates(executor, x64):
     grouped_samples = samples | {"alpha": jnp.zeros((4, G, 1))}
     want = numpyro.infer.log_likelihood(plain, grouped_samples, X, y, case="groups")["y"]
     got = pb.log_likelihood(par, grouped_samples, X, y, case="groups")["y"]
-    # the site's rows are the groups: one value per group, its R observations summed
-    assert want.shape == (4, G, R) and got.shape == (4, G)
-    np.testing.assert_allclose(got, want.sum(-1), rtol=1e-12)
+    # the site's rows are the groups, each of R observations: every observation keeps its
+    # own value, as for the plain site (API.md section 4: the site's batch dims)
+    assert got.shape == want.shape == (4, G, R)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 # -- plates that cannot be honoured ----------------------------------------------------------
