@@ -65,7 +65,7 @@ def loo(data: Any, model: Any, *model_args: Any, executor: pb.Executor | str | N
         executor. One made here from a name is closed before returning.
     memory : int, optional
         Bytes of log-likelihood held at once, ArviZ's working copies included (about
-        32 bytes per value); default :data:`LOO_MEMORY` (256 MiB).
+        32 bytes per value); default ``LOO_MEMORY``, 256 MiB.
     var_name : str, optional
         The observed site to leave out, where the model has several (as ``arviz.loo``
         requires).

@@ -162,8 +162,8 @@ def pointwise_log_likelihood(model, samples: dict, *model_args, executor=None, c
     observed : bool
         Also return ``log_prob`` of the model's ordinary observed sites.
     progress : optional
-        Told each chunk of draws done (``progress.update(draws)``: a
-        :class:`~.display.Bar`).
+        Told each chunk of draws done (``progress.update(draws)``: a ``Bar`` of
+        ``plugins/numpyro/display.py``).
 
     Returns
     -------
