@@ -12,6 +12,7 @@ core's public names, the NumPyro plugin's modules, and :mod:`.container`.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,13 @@ from parallel_backend.extend import is_tracer, resolve_executor
 from ..numpyro.loglik import pointwise_log_likelihood
 from ..numpyro.observe import unobserved
 from ..numpyro.record import run_record
-from ..numpyro.replay import HMC_EXTRA_FIELDS, factor_sites, quietly, trace_model
+from ..numpyro.replay import (
+    HMC_EXTRA_FIELDS,
+    factor_sites,
+    quietly,
+    site_distribution,
+    trace_model,
+)
 from . import container
 
 if TYPE_CHECKING:
@@ -36,9 +43,15 @@ if TYPE_CHECKING:
 __all__ = ["HMC_EXTRA_FIELDS", "to_arviz"]
 
 
+#: Default of ``to_arviz``'s ``log_likelihood_budget``: bytes the ``log_likelihood`` group
+#: may take unless asked for explicitly (above every run of the tests and examples).
+LOG_LIKELIHOOD_BUDGET = 2 * 2 ** 30
+
+
 def to_arviz(mcmc: MCMC, model: Callable[..., Any] | None = None, *,
              model_args: tuple | None = None, model_kwargs: Mapping[str, Any] | None = None,
-             executor: pb.Executor | str | None = None, log_likelihood: bool = True,
+             executor: pb.Executor | str | None = None, log_likelihood: bool | None = None,
+             log_likelihood_budget: int = LOG_LIKELIHOOD_BUDGET,
              factor_data: bool = True, coords: Mapping[str, Any] | None = None,
              dims: Mapping[str, list[str]] | None = None, chunk_draws: int | None = None,
              chunk_rows: int | None = None, attrs: Mapping[str, Any] | None = None,
@@ -59,9 +72,16 @@ def to_arviz(mcmc: MCMC, model: Callable[..., Any] | None = None, *,
     executor : Executor or str, optional
         Who evaluates the pointwise log-likelihood; default: each site's own
         ``executor=``, else the innermost ``use_executor``, else the default.
-    log_likelihood : bool
-        Compute the ``log_likelihood`` group (``chains x draws x rows`` values per
-        ``pb.factor`` site and per observed site; switch off for very large data).
+    log_likelihood : bool, optional
+        Compute the ``log_likelihood`` group (``chains x draws x observations`` values
+        per ``pb.factor``, ``pb.observe`` and observed site). ``None`` (the default): where
+        those values fit in ``log_likelihood_budget`` bytes; above it the group is not
+        stored, a warning says so and points to ``pb.loo`` (exact PSIS-LOO that never
+        holds the group), and ``attrs["log_likelihood_not_stored_bytes"]`` holds what it
+        would have taken. ``True`` stores it whatever its size; ``False`` never.
+    log_likelihood_budget : int
+        Bytes the ``log_likelihood`` group may take when ``log_likelihood`` is ``None``;
+        default ``LOG_LIKELIHOOD_BUDGET``, 2 GiB.
     factor_data : bool
         Put the ``pb.factor`` sites' row data that does not depend on parameters in
         ``constant_data`` (as ``<site>_<key>``, rows on the site's row dimension).
@@ -132,7 +152,20 @@ def to_arviz(mcmc: MCMC, model: Callable[..., Any] | None = None, *,
         pp = _posterior_predictive(rec, flat, groups, predictive_seed, coords)
         if pp is not None:
             groups["posterior_predictive"] = pp
-    info = {}
+    info: dict = {}
+    if log_likelihood is None and rec.model is not None:
+        nbytes = rec.num_chains * rec.num_draws * _log_likelihood_bytes(rec, flat)
+        log_likelihood = nbytes <= log_likelihood_budget
+        if not log_likelihood:
+            info["log_likelihood_not_stored_bytes"] = int(nbytes)
+            warnings.warn(
+                f"the log_likelihood group would take {nbytes / 2 ** 30:.2f} GiB "
+                f"({rec.num_chains} chains x {rec.num_draws} draws x every observation), "
+                f"above log_likelihood_budget ({log_likelihood_budget / 2 ** 30:.2f} GiB): "
+                f"not stored. For LOO, pb.loo(run, model, *model_args) computes it in row "
+                f"groups without holding it; to store it anyway, pass log_likelihood=True "
+                f"(pb.sample: arviz_kwargs={{'log_likelihood': True}})", UserWarning,
+                stacklevel=2)
     if log_likelihood and rec.model is not None:
         ll, info = _log_likelihood(rec, flat, sites, groups, ex, executor, coords, dims,
                                    chunk_draws, chunk_rows)
@@ -225,6 +258,34 @@ def _factor_sites(rec, flat) -> dict:
     with quietly():
         jax.make_jaxpr(replay)(first)
     return found
+
+
+def _log_likelihood_bytes(rec, flat) -> int:
+    """Bytes of one draw's pointwise log-likelihood, every likelihood site together: a
+    ``pb.factor`` site's rows, the batch shape of a ``pb.observe`` or observed site (found
+    from an abstract trace at the first draw: nothing is evaluated)."""
+    first = jax.tree.map(lambda x: x[0], flat)
+    found: dict = {}
+
+    def replay(draw):
+        trace = trace_model(rec.model, rec.model_args, rec.model_kwargs, params=draw)
+        for name, site in trace.items():
+            if (site["type"] != "sample" or not site["is_observed"]
+                    or site.get("infer", {}).get("is_auxiliary", False)):
+                continue
+            d = site_distribution(site["fn"])
+            if d is not None and d.pb_site == "factor":
+                leaves = jax.tree.leaves(d.data)
+                n = d.rows if d.rows is not None else (leaves[0].shape[0] if leaves else 1)
+            else:
+                n = int(np.prod(site["fn"].batch_shape, dtype=np.int64))
+            found[name] = int(n)
+        return 0
+
+    with quietly():
+        jax.make_jaxpr(replay)(first)
+    itemsize = 8 if jax.config.jax_enable_x64 else 4  # type: ignore[attr-defined, unused-ignore]
+    return itemsize * sum(found.values())
 
 
 def _add_constant_rows(groups: dict, sites: dict, coords, dims) -> None:

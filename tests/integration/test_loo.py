@@ -182,3 +182,23 @@ def test_an_observation_is_an_element_of_the_batch_shape_everywhere(data):
     result = pb.loo(fit, wide_model, x, y, memory=100 * 7 * 3 * 32, progress_bar=False)
     assert_equal_loo(result, az.loo(fit, pointwise=True))
     assert fields(result)["n_data_points"] == 120
+
+
+def test_a_log_likelihood_over_the_budget_is_not_stored_and_pb_loo_is_named(data):
+    """Above ``log_likelihood_budget`` bytes ``pb.sample`` stores no ``log_likelihood``
+    group, says so once, naming ``pb.loo`` and what the group would take; asked for
+    explicitly, it is stored whatever its size; ``pb.loo`` gives the stored group's LOO."""
+    x, y = data
+    run_kw = dict(num_warmup=40, num_samples=40, num_chains=2, seed=3, progress_bar=False,
+                  executor="serial")
+    with pytest.warns(UserWarning, match=r"log_likelihood group would take .*not stored.*pb\.loo"
+                      ) as caught:
+        small = pb.sample(model, x, y, arviz_kwargs={"log_likelihood_budget": 1000}, **run_kw)
+    assert sum("log_likelihood group" in str(w.message) for w in caught) == 1
+    groups = small.children if DATATREE else small.groups()
+    assert "log_likelihood" not in groups
+    assert small.attrs["log_likelihood_not_stored_bytes"] == 2 * 40 * N * 4
+    full = pb.sample(model, x, y, arviz_kwargs={"log_likelihood_budget": 1000,
+                                                "log_likelihood": True}, **run_kw)
+    assert full.log_likelihood["y"].shape == (2, 40, N)
+    assert_equal_loo(pb.loo(small, model, x, y, progress_bar=False), az.loo(full, pointwise=True))
