@@ -5,9 +5,10 @@ Pareto-smoothed into importance weights, which give that observation's ``elpd_i`
 ``pareto_k`` and share of ``p``; only the sums and the standard error see all of them.
 So the site's rows come a group at a time (``plugins/numpyro/rowwise.py``: each group's
 log-likelihood for every draw, its rows evaluated where they are, on the executor), each
-group goes through the installed ArviZ's own ``loo`` (the relative efficiency ``reff``
-computed once from the run's posterior, as ArviZ does, and passed to every group), and
-only its per-row results are kept; the totals are ArviZ's formulas over all of them.
+group is smoothed as the installed ArviZ smooths (the relative efficiency ``reff``
+computed once from the run's posterior, as ArviZ does, and used for every group: on
+ArviZ 0.x its own ``loo`` per group, on 1.x ``psis.py``, arviz_stats' steps over the whole
+group at once), and only its per-row results are kept; the totals are ArviZ's formulas over all of them.
 The result is the installed ArviZ's LOO object, with what ``arviz.loo`` of the run's
 ``log_likelihood`` group would hold but the smoothed log weights (draws x rows: the
 matrix this avoids). Imports arviz, xarray, numpy and the plugins below it.
@@ -29,6 +30,7 @@ import parallel_backend as pb
 from ..numpyro.display import Bar
 from ..numpyro.rowwise import row_groups
 from . import container
+from .psis import loo_rows
 
 __all__ = ["LOO_MEMORY", "loo"]
 
@@ -164,19 +166,16 @@ def _group_loo(name, values, chains, draws, reff):
     """ArviZ's PSIS-LOO of one group of rows: the per-row ``elpd_i``, ``pareto_k`` and
     ``p`` (ArviZ 0.x gives their sum, which adds up over groups as the rows do), and, on
     ArviZ 0.x, its result object (the type of the whole site's)."""
-    da = xr.DataArray(values.reshape(chains, draws, values.shape[1]),
-                      dims=("chain", "draw", "__row__"))
     with warnings.catch_warnings():
         # Said once for the whole site (below), not once per group.
         warnings.simplefilter("ignore")
         if container.DATATREE:
-            # What arviz_stats.loo computes, in its order: the smoothed log weights (which
-            # it also keeps: the draws x rows this avoids), then each row's values.
-            dims = ["chain", "draw"]
-            weights, k = da.azstats.psislw(r_eff=reff, dim=dims)
-            e, k, p = da.azstats.loo(sample_dims=dims, r_eff=reff, log_weights=weights,
-                                     pareto_k=k)
-            return None, np.asarray(e.values), np.asarray(k.values), np.asarray(p.values)
+            # What arviz_stats.loo computes per observation (its smoothed log weights, which
+            # it also keeps, are the draws x rows this avoids), over the whole group at
+            # once (psis.py; arviz_stats runs it one observation at a time in Python).
+            return (None, *loo_rows(values, reff))
+        da = xr.DataArray(values.reshape(chains, draws, values.shape[1]),
+                          dims=("chain", "draw", "__row__"))
         run = az.InferenceData(log_likelihood=xr.Dataset({name: da}))
         out = az.loo(run, pointwise=True, var_name=name, reff=reff)
         return out, np.asarray(out["loo_i"].values), np.asarray(out["pareto_k"].values), \

@@ -189,8 +189,8 @@ def test_a_log_likelihood_over_the_budget_is_not_stored_and_pb_loo_is_named(data
     group, says so once, naming ``pb.loo`` and what the group would take; asked for
     explicitly, it is stored whatever its size; ``pb.loo`` gives the stored group's LOO."""
     x, y = data
-    run_kw = dict(num_warmup=40, num_samples=40, num_chains=2, seed=3, progress_bar=False,
-                  executor="serial")
+    run_kw = {"num_warmup": 40, "num_samples": 40, "num_chains": 2, "seed": 3,
+              "progress_bar": False, "executor": "serial"}
     with pytest.warns(UserWarning, match=r"log_likelihood group would take .*not stored.*pb\.loo"
                       ) as caught:
         small = pb.sample(model, x, y, arviz_kwargs={"log_likelihood_budget": 1000}, **run_kw)
@@ -202,3 +202,30 @@ def test_a_log_likelihood_over_the_budget_is_not_stored_and_pb_loo_is_named(data
                                                 "log_likelihood": True}, **run_kw)
     assert full.log_likelihood["y"].shape == (2, 40, N)
     assert_equal_loo(pb.loo(small, model, x, y, progress_bar=False), az.loo(full, pointwise=True))
+
+
+@pytest.mark.skipif(not DATATREE, reason="ArviZ 0.x: pb.loo runs ArviZ's own loo per row group")
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_group_smoothing_is_arviz_stats_per_observation(dtype):
+    """plugins/arviz/psis.py smooths a group of observations at once: each observation's
+    elpd, p and Pareto k equal arviz_stats' own (psislw, then loo with those weights), on
+    heavy tails, with draws in and out of the prior's range (k near 0, large, nan, inf)."""
+    import importlib
+
+    import xarray as xr
+
+    psis = importlib.import_module("parallel_backend.plugins.arviz.psis")
+    rng = np.random.default_rng(7)
+    for n_draws, reff in ((200, 1.0), (2000, 0.8), (40, 1.3)):
+        ll = rng.standard_t(2, size=(n_draws, 120)) * rng.uniform(0.1, 5, size=120) - 3
+        ll[:, 0] = np.linspace(-5.0, -4.0, n_draws)
+        ll = ll.astype(dtype)
+        da = xr.DataArray(ll.reshape(2, n_draws // 2, -1), dims=("chain", "draw", "obs"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            weights, k = da.azstats.psislw(r_eff=reff, dim=["chain", "draw"])
+            want = da.azstats.loo(sample_dims=["chain", "draw"], r_eff=reff,
+                                  log_weights=weights, pareto_k=k)
+            got = psis.loo_rows(ll, reff)
+        for name, w, g in zip(("elpd_i", "pareto_k", "p_i"), want, got):
+            np.testing.assert_allclose(g, w.values, rtol=1e-10, atol=1e-12, err_msg=name)
