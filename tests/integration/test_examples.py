@@ -62,6 +62,21 @@ def test_dask_cluster():
     assert "dask" in out and "alpha" in out
 
 
+@pytest.mark.slow
+def test_model_comparison():
+    """Two models compared with pb.loo and arviz.compare, pb.loo holding less than the
+    log_likelihood group would."""
+    out = run_example("model_comparison.py", "--rows", "20000", "--warmup", "40", "--samples",
+                      "20", "--chains", "2", "--memory", "200000")
+    lines = [ln for ln in out.splitlines() if "numpy's peak" in ln]
+    assert [ln.split(":")[0] for ln in lines] == ["normal", "student_t"], out
+    for ln in lines:
+        peak = float(ln.split("numpy's peak ")[1].split(" MiB")[0])
+        group = float(ln.split("would take ")[1].split(" MiB")[0])
+        assert peak < group, ln
+    assert "student_t" in out.split("numpy's peak")[-1] and "normal" in out, out
+
+
 def execute_notebook(name, **sizes):
     """Run ``examples/<name>`` on a fresh kernel of this interpreter with the environment
     variables ``sizes`` (a small run), through the runner that stores the notebooks'
