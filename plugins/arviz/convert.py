@@ -131,7 +131,7 @@ def to_arviz(mcmc: MCMC, model: Callable[..., Any] | None = None, *,
     ex = resolve_executor(executor)
     flat = jax.tree.map(lambda x: np.reshape(np.asarray(x), (-1,) + np.shape(x)[2:]),
                         rec.samples)
-    sites = _factor_sites(rec, flat) if rec.model is not None else {}
+    sites, ll_bytes = _replay_sites(rec, flat) if rec.model is not None else ({}, 0)
     # from_numpyro replays the model for observed_data: keep that evaluation off the
     # caller's executor. A pb.factor site's dims are its rows', not its empty value's.
     with quietly():
@@ -154,7 +154,7 @@ def to_arviz(mcmc: MCMC, model: Callable[..., Any] | None = None, *,
             groups["posterior_predictive"] = pp
     info: dict = {}
     if log_likelihood is None and rec.model is not None:
-        nbytes = rec.num_chains * rec.num_draws * _log_likelihood_bytes(rec, flat)
+        nbytes = rec.num_chains * rec.num_draws * ll_bytes
         log_likelihood = nbytes <= log_likelihood_budget
         if not log_likelihood:
             info["log_likelihood_not_stored_bytes"] = int(nbytes)
@@ -243,32 +243,18 @@ def _posterior_predictive(rec, flat, groups, seed, coords):
     return container.dataset(pp, coords=coords, dims=dims)
 
 
-def _factor_sites(rec, flat) -> dict:
-    """``{site: info}`` of the pb.factor sites, from one replay at the first draw."""
-    first = jax.tree.map(lambda x: x[0], flat)
-    found = {}
-
-    def replay(draw):
-        found.update(factor_sites(trace_model(rec.model, rec.model_args, rec.model_kwargs,
-                                              params=draw)))
-        return 0
-
-    # Traced, not run: leaves computed from the draws (or from anything) stay tracers,
-    # the data arrays given to the model stay concrete; no likelihood is evaluated.
-    with quietly():
-        jax.make_jaxpr(replay)(first)
-    return found
-
-
-def _log_likelihood_bytes(rec, flat) -> int:
-    """Bytes of one draw's pointwise log-likelihood, every likelihood site together: a
-    ``pb.factor`` site's rows, the batch shape of a ``pb.observe`` or observed site (found
-    from an abstract trace at the first draw: nothing is evaluated)."""
+def _replay_sites(rec, flat) -> tuple[dict, int]:
+    """From one abstract replay at the first draw: ``{site: info}`` of the pb.factor and
+    pb.observe sites, and the bytes of one draw's pointwise log-likelihood, every
+    likelihood site together (a ``pb.factor`` site's rows, the batch shape of a
+    ``pb.observe`` or observed site)."""
     first = jax.tree.map(lambda x: x[0], flat)
     found: dict = {}
+    values: dict = {}
 
     def replay(draw):
         trace = trace_model(rec.model, rec.model_args, rec.model_kwargs, params=draw)
+        found.update(factor_sites(trace))
         for name, site in trace.items():
             if (site["type"] != "sample" or not site["is_observed"]
                     or site.get("infer", {}).get("is_auxiliary", False)):
@@ -279,13 +265,15 @@ def _log_likelihood_bytes(rec, flat) -> int:
                 n = d.rows if d.rows is not None else (leaves[0].shape[0] if leaves else 1)
             else:
                 n = int(np.prod(site["fn"].batch_shape, dtype=np.int64))
-            found[name] = int(n)
+            values[name] = int(n)
         return 0
 
+    # Traced, not run: leaves computed from the draws (or from anything) stay tracers,
+    # the data arrays given to the model stay concrete; no likelihood is evaluated.
     with quietly():
         jax.make_jaxpr(replay)(first)
     itemsize = 8 if jax.config.jax_enable_x64 else 4  # type: ignore[attr-defined, unused-ignore]
-    return itemsize * sum(found.values())
+    return found, itemsize * sum(values.values())
 
 
 def _add_constant_rows(groups: dict, sites: dict, coords, dims) -> None:

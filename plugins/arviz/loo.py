@@ -124,8 +124,7 @@ def loo(data: Any, model: Any, *model_args: Any, executor: pb.Executor | str | N
                           values_per_group=max(1, int(memory) // BYTES_PER_VALUE))
         dims, coords = _obs_dims(site, groups)
         elpd_i, pareto_k, p_i, last = [], [], [], None
-        n_rows = site.shape[0] if site.kind == "rows" else int(np.prod(site.shape))
-        with Bar(n_rows, f"pb.loo {site.name!r}", LOGGER, enabled=progress_bar,
+        with Bar(site.rows, f"pb.loo {site.name!r}", LOGGER, enabled=progress_bar,
                  unit="row") as bar:
             for first, end, values in site.groups:
                 last, e, k, p = _group_loo(site.name, values, chains, draws, reff)

@@ -41,6 +41,8 @@ class RowGroups(NamedTuple):
         rows first) of a ``pb.observe`` or plain observed site.
     kind : str
         ``"rows"`` (``pb.factor``/``pb.observe``) or ``"observed"`` (a plain site).
+    rows : int
+        What the groups cut: the site's rows, or a plain site's elements.
     groups : iterator
         ``(first, end, values)``: the rows ``[first, end)`` (of a plain site: its
         flattened elements) and their log-likelihood, ``(draws, values)``, in row order (a
@@ -50,6 +52,7 @@ class RowGroups(NamedTuple):
     name: str
     shape: tuple
     kind: str
+    rows: int
     groups: Iterator[tuple[int, int, np.ndarray]]
 
 
@@ -111,7 +114,7 @@ def row_groups(model: Any, samples: dict, model_args: tuple = (),
     per_group = max(1, min(n_rows, values_per_group // max(n_draws * width, 1)))
     groups = _groups(replay, var_name, kind, samples, n_draws, n_rows, per_group, executor,
                      outer, stack)
-    return RowGroups(var_name, tuple(int(s) for s in shape), kind, groups)
+    return RowGroups(var_name, tuple(int(s) for s in shape), kind, int(n_rows), groups)
 
 
 def _value_shape(replay, name) -> tuple:
