@@ -26,7 +26,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from .batching import site_batching
@@ -40,8 +39,7 @@ from .internals import (
     move_batch_axis,
     zeros_of,
 )
-from .routes import Wrt
-from .spec import kept, merge
+from .kernels import LAYOUTS, Wrt, kept, merge
 from .tasks import combine
 
 __all__ = ["blocked_sum", "site_value", "site_value_and_grads",
@@ -343,10 +341,7 @@ def blocked_sum(spec, resident, traced, shared):
         def one(r, t):
             return jnp.sum(block(r, t, shared))
 
-        if spec.form == "batched":
-            sums.append(jax.vmap(one)(res_b, tr_b))
-        else:
-            sums.append(lax.map(lambda rt: one(*rt), (res_b, tr_b)))
+        sums.append(LAYOUTS[spec.form].sum_blocks(one, res_b, tr_b))
     if plan.tail_rows:
         tail = jnp.sum(block([jnp.asarray(x)[full:] for x in resident],
                              [x[full:] for x in traced], shared))

@@ -54,6 +54,7 @@ from .executors.base import STALL_TIMEOUT, Executor, TaskPool, check_stall_timeo
 from .executors.registry import resolve_executor
 from .guards import fence, gather, hide
 from .internals import is_tracer
+from .kernels import BATCHED, LOOPED, RowsBefore, Wrt, kernel_for
 from .reduce import RowSum, reduce_rows
 from .routes import GRAPH, HOST, Choice, Slots, carried, choose
 from .site import SiteState
@@ -69,8 +70,10 @@ from .tasks import (
 )
 
 __all__ = [
+    "BATCHED",
     "GRAPH",
     "HOST",
+    "LOOPED",
     "STALL_TIMEOUT",
     "AdaptiveChunker",
     "BlockPlan",
@@ -85,12 +88,14 @@ __all__ = [
     "Program",
     "Resident",
     "RowSum",
+    "RowsBefore",
     "SiteSpec",
     "SiteState",
     "Slots",
     "Task",
     "TaskPool",
     "TilePlan",
+    "Wrt",
     "accelerator",
     "block_axis",
     "carried",
@@ -105,6 +110,7 @@ __all__ = [
     "hide",
     "host_device",
     "is_tracer",
+    "kernel_for",
     "pad_blocks",
     "pad_rows",
     "reduce_rows",

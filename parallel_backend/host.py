@@ -29,6 +29,7 @@ import numpy as np
 from .blocks import block_axis, pad_blocks
 from .chunking import fixed_chunks
 from .errors import ChunkError
+from .kernels import Wrt, kernel_for
 from .tasks import Evaluation, Task
 
 __all__ = ["assemble", "callback", "evaluate", "partials", "unbatch"]
@@ -115,7 +116,8 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     # and a chunk may run on another (a DeviceExecutor's).
     evaluation = Evaluation(blocked, tuple(np.asarray(s) for s in shared), tuple(diff_traced),
                             tuple(diff_shared), in_axes)
-    if evaluation.order == 2 and not any(np.any(x) for x in _tangents(evaluation)):
+    kernel = kernel_for(evaluation.order, Wrt(evaluation.diff_traced, evaluation.diff_shared))
+    if not kernel.has_work(_tangents(evaluation)):
         # A product along zero: zeros, without running a chunk.
         count, results = False, []
     else:
@@ -129,7 +131,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     wall = time.perf_counter() - t0
     busy = sum(r.seconds for r in results)
     # The chunker learns from value-and-gradient evaluations only (what sampling runs).
-    if grainsize is None and results and not state.chunker.settled and evaluation.order == 1:
+    if grainsize is None and results and not state.chunker.settled and kernel.in_sampling:
         overhead = max(wall * min(executor.workers, len(results)) - busy, 0.0) / len(results)
         for r in results:
             state.chunker.record(r.chunk.count, r.seconds, overhead)

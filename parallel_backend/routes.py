@@ -47,6 +47,7 @@ from . import host as host_path
 from .batching import map_sets, nest_sets, tangent_batching
 from .blocks import accelerator, device_shards
 from .internals import is_tracer
+from .kernels import HESSIAN_VECTOR_PRODUCT, Wrt
 
 __all__ = [
     "GRAPH",
@@ -77,18 +78,6 @@ GRAPH, HOST = 0, 1
 MARGIN = 0.05
 #: Evaluations per timed call of :func:`in_a_loop` (benchmarks and ``pb.profile``).
 LOOP = 4
-
-
-class Wrt(NamedTuple):
-    """Which leaves an evaluation differentiates: one flag per traced data leaf and per
-    shared leaf (static: it selects the compiled program)."""
-
-    traced: tuple
-    shared: tuple
-
-    @classmethod
-    def none(cls, n_traced: int, n_shared: int) -> Wrt:
-        return cls((False,) * n_traced, (False,) * n_shared)
 
 
 class Route:
@@ -211,22 +200,25 @@ class GraphRoute(Route):
             # chunks are the same block programs: the same bits.
             return HostRoute(self.executor, state, None).products(traced, shared, choice, wrt,
                                                                  tangents)
-        n_t, n_s = len(traced), len(shared)
-
-        def evaluate(t, s, set_axes):  # a batch laid out as a host task lays it out
-            def products():
-                return state.program.graph_partials(state.prepared(), t, s, wrt.traced,
-                                                    wrt.shared, set_axes, 2)
-
-            # Along zero (every set of the batch): zeros, as the host route answers.
-            moving = [jnp.any(x != 0) for x in (*t[n_t:], *s[n_s:])]
-            shapes = jax.eval_shape(products)
-            return lax.cond(functools.reduce(jnp.logical_or, moving, jnp.bool_(False)),
-                            products, lambda: jax.tree.map(
-                                lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-
+        evaluate = functools.partial(_products_in_graph, state, wrt, len(traced), len(shared))
         return self.count(tangent_batching(evaluate)((*traced, *tangents[0]),
                                                      (*shared, *tangents[1])))
+
+
+def _products_in_graph(state, wrt, n_traced, n_shared, traced, shared, set_axes):
+    """The graph route's Hessian-vector products (``traced`` and ``shared`` end with the
+    tangents), a batch laid out as a host task lays it out; along zero (every set of the
+    batch), zeros, as the host route answers, without evaluating a block."""
+    products = functools.partial(state.program.graph_partials, state.prepared(), traced,
+                                 shared, wrt, HESSIAN_VECTOR_PRODUCT, set_axes)
+    moving = [jnp.any(x != 0) for x in (*traced[n_traced:], *shared[n_shared:])]
+    shapes = jax.eval_shape(products)
+    return lax.cond(functools.reduce(jnp.logical_or, moving, jnp.bool_(False)),
+                    products, functools.partial(_zeros_like, shapes))
+
+
+def _zeros_like(shapes):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
 
 
 class HostRoute(Route):

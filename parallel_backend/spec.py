@@ -40,7 +40,7 @@ from .analysis import (
     split_known,
     unknown_function,
 )
-from .batching import each_set, over_blocks, set_by_set, unblock
+from .batching import each_set, unblock
 from .blocks import (
     MIN_BLOCK_ROWS,
     BlockPlan,
@@ -52,27 +52,15 @@ from .blocks import (
     pad_blocks,
     plan_blocks,
     plan_tiles,
-    take_blocks,
 )
 from .errors import TracedElsewhere
 from .guards import fence, hide
 from .identity import owned
 from .internals import is_tracer, jaxpr_as_fun
+from .kernels import LAYOUTS, Wrt, kept, kernel_for, merge
 from .tasks import Partials, host_device, program_key
 
 __all__ = ["Program", "SiteSpec", "kept", "make_spec", "merge", "run_eagerly"]
-
-def kept(xs, mask) -> list:
-    """The entries of ``xs`` that ``mask`` marks, in order."""
-    return [x for x, m in zip(xs, mask) if m]
-
-
-def merge(full, subset, mask) -> tuple:
-    """``full`` with the entries ``mask`` marks taken from ``subset``, in order."""
-    it = iter(subset)
-    return tuple(next(it) if m else x for x, m in zip(full, mask))
-
-
 
 class SiteSpec(NamedTuple):
     """The static description of one ``reduce_sum`` call site (picklable with cloudpickle).
@@ -205,7 +193,8 @@ class Program:
         self.cache: dict = {}
         #: The form, whether a batch of parameter sets runs one set at a time and whether
         #: the last block is padded and run apart, as attributes (read by every task).
-        self.is_looped = spec.form == "looped"
+        #: How a run of blocks is evaluated (:data:`.kernels.LAYOUTS`).
+        self.layout = LAYOUTS[spec.form]
         self.sets_each = spec.sets == "each"
         self.split_tail = bool(spec.tiles.tail)
 
@@ -230,281 +219,138 @@ class Program:
                     residuals = one_by_one(blocks)
             return raw + tuple(np.asarray(r) for r in residuals)
 
-    # -- one block, and runs of blocks --------------------------------------------
+    # -- one block, and the site's programs over blocks -----------------------------
 
-    def _block(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-               masked=True, order=1, pin=True) -> Partials:
-        """One block's partials: its value, shared gradients, per-row gradients. A
-        ``masked`` block keeps its rows from ``valid`` on (padding) out of all three;
-        ``pin``: beside the small product of guard ``pin`` (:func:`.guards.pin`).
-
-        ``order=2``: ``traced`` and ``shared`` end with the tangents of the leaves
-        ``diff_traced``/``diff_shared`` mark, and the partials are the tangents of the
-        three along them (forward over reverse: a Hessian-vector product)."""
-        if order == 2:
-            n_t, n_s = len(diff_traced), len(diff_shared)
-            traced, tan_t, shared, tan_s = traced[:n_t], traced[n_t:], shared[:n_s], shared[n_s:]
-
-            def first(td, sd):
-                return self._block(prepared, merge(traced, td, diff_traced),
-                                   merge(shared, sd, diff_shared), valid, diff_traced,
-                                   diff_shared, masked, pin=pin)
-
-            return jax.jvp(first, (tuple(kept(traced, diff_traced)),
-                                   tuple(kept(shared, diff_shared))),
-                           (tuple(tan_t), tuple(tan_s)))[1]
-        rows = self.spec.plan.block_rows
+    def block(self, prepared, traced, shared, valid, *, kernel, wrt: Wrt, counted,
+              finish) -> Partials:
+        """One block's partials by ``kernel`` (:mod:`.kernels`): ``fn`` on the block's
+        prepared data (the hoisted split: raw leaves, then residuals), ``counted`` saying
+        which rows count, ``finish`` whether the result is pinned."""
         raw, residuals = prepared[:len(self.split.raw)], prepared[len(self.split.raw):]
-        mask = jnp.arange(rows) < valid
-
-        def total(pointwise):
-            return jnp.sum(jnp.where(mask, pointwise, 0) if masked else pointwise)
-
-        if not (any(diff_traced) or any(diff_shared)):
-            return Partials(total(self._unknown(raw, residuals, traced, shared)), (), ()).pinned(pin)
-        td, sd = kept(traced, diff_traced), kept(shared, diff_shared)
-
-        def terms(td, sd):
-            return self._unknown(raw, residuals, merge(traced, td, diff_traced),
-                                 merge(shared, sd, diff_shared))
-
-        # The gradient of a sum is the pullback of ones; padded rows pull back zeros.
-        pointwise, pullback = jax.vjp(terms, td, sd)
-        gt, gs = pullback(mask.astype(pointwise.dtype) if masked else jnp.ones_like(pointwise))
-        return Partials(total(pointwise), tuple(gs), tuple(gt)).pinned(pin)
-
-    def batched(self, prepared, traced, shared, valid, diff_traced, diff_shared,
-                masked: bool = False, tail: tuple[Any, Any, Any] | None = None, set_axes=None,
-                order: int = 1) -> Partials:
-        """Every block of the given arrays (leading axis: blocks) in one ``vmap``, each
-        ``masked`` or none; then, with ``tail`` (the padded last block's ``(prepared,
-        traced, valid)``, an axis of one block each), that block alone, masked, after them.
-        ``set_axes``: a batch of parameter sets, inside the blocks (see
-        :func:`.batching.over_blocks`); the outputs then lead with the sets. ``order``: see
-        :meth:`_block`.
-
-        Only a padded block needs the mask, and the mask costs: the ``where`` that keeps
-        padding out kept XLA from fusing the values into their sum (measured on a
-        logistic regression; docs/performance.md).
-        """
-        self.traces[(_KIND[order, "batched"], int(valid.shape[0]), masked,
-                     tail is not None)] += 1
-
-        def run(p, t, v, m):
-            block = functools.partial(self._block, diff_traced=diff_traced,
-                                      diff_shared=diff_shared, masked=m, order=order)
-            return over_blocks(block, p, t, shared, v, set_axes)
-
-        out = run(prepared, traced, valid, masked)
-        if tail is None:
-            return out
-
-        last = run(*tail, True)
-        axis = 0 if set_axes is None else 1
-        return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis), out, last)
-
-    def looped(self, prepared, traced, shared, valid, first, count, length,
-               diff_traced, diff_shared, order: int = 1) -> Partials:
-        """Blocks ``[first, first + count)`` of ``prepared`` one per loop iteration (``traced``
-        and ``valid`` hold only those blocks), written to buffers of ``length`` blocks.
-        ``order``: see :meth:`_block`."""
-        self.traces[(_KIND[order, "looped"], int(length))] += 1
-        rows = self.spec.plan.block_rows
-        dtype = np.dtype(self.spec.value_dtype)
-        values = jnp.zeros((length,), dtype)
-        g_shared = tuple(jnp.zeros((length,) + jnp.shape(s), jnp.result_type(s))
-                         for s, d in zip(shared, diff_shared) if d)
-        g_data = tuple(jnp.zeros((length, rows) + jnp.shape(t)[2:], jnp.result_type(t))
-                       for t, d in zip(traced, diff_traced) if d)
-
-        def body(i, carry):
-            values, g_shared, g_data = carry
-            p = tuple(lax.dynamic_index_in_dim(x, first + i, keepdims=False) for x in prepared)
-            t = tuple(lax.dynamic_index_in_dim(x, i, keepdims=False) for x in traced)
-            v = lax.dynamic_index_in_dim(valid, i, keepdims=False)
-            out = self._block(p, t, shared, v, diff_traced, diff_shared, order=order, pin=False)
-            return (values.at[i].set(out.values),
-                    tuple(a.at[i].set(g) for a, g in zip(g_shared, out.shared_grads)),
-                    tuple(a.at[i].set(g) for a, g in zip(g_data, out.data_grads)))
-
-        # Pinned outside the loop: it may still compile as one kernel, alike on every route.
-        return Partials(*lax.fori_loop(0, count, body, (values, g_shared, g_data))).pinned()
+        pointwise = functools.partial(self._unknown, raw, residuals)
+        return kernel.block(pointwise, traced, shared, valid, self.spec.plan.block_rows, wrt,
+                            counted, finish)
 
     # -- the graph path: all blocks inside the caller's program --------------------
 
-    def graph_partials(self, prepared, traced, shared, diff_traced, diff_shared,
-                       set_axes=None, order: int = 1):
-        """Every block's partials inside the caller's program (a nested ``jit``, inlined
-        there; called eagerly, one compiled program: op by op would round otherwise):
-        per-block values and shared gradients, per-row data gradients (``N`` rows); with
-        ``set_axes`` for each parameter set of a batch, leading (looped: order 2 only, a
-        batch of tangents, mapped as a host task maps it). ``order``: see :meth:`_block`."""
+    def graph_partials(self, prepared, traced, shared, wrt: Wrt, kernel, set_axes=None):
+        """Every block's partials by ``kernel`` inside the caller's program (a nested
+        ``jit``, inlined there; called eagerly, one compiled program: op by op would round
+        otherwise): per-block values and shared gradients, per-row data gradients (``N``
+        rows); with ``set_axes`` for each parameter set of a batch, leading (looped:
+        Hessian-vector products only, a batch of tangents, mapped as a host task maps
+        it)."""
         prepared = tuple(prepared)
         split = self.spec.tiles.tail
         # The padded last block as arrays of its own: numpy views, constants of the
         # caller's program, so XLA copies nothing per evaluation.
         tail = tuple(x[-1:] for x in prepared) if split else ()
         head = tuple(x[:-1] for x in prepared) if split else prepared
-        return self._graph_fn(tuple(diff_traced), tuple(diff_shared), set_axes, order)(
-            head, tail, tuple(traced), tuple(shared))
+        return self._graph_fn(wrt, kernel, set_axes)(head, tail, tuple(traced), tuple(shared))
 
-    def plain_partials(self, resident, traced, shared, diff_traced, diff_shared,
-                       set_axes=None, order: int = 1):
+    def plain_partials(self, resident, traced, shared, wrt: Wrt, kernel, set_axes=None):
         """Plain NumPyro's program in the caller's: ``fn`` on every row at once, JAX's own
-        derivatives, as partials of the plan's shape (the whole value and gradients in
-        the first block, zeros in the others, so that every route's partials combine
-        alike). What the graph evaluates on an accelerator (:func:`.routes.accelerator`).
-        ``resident``: the site's data leaves, unpadded. ``order`` 2: the tangents of the
-        three along the tangents after the leaves, as in :meth:`_block`."""
-        key = ("plain", tuple(diff_traced), tuple(diff_shared), set_axes, order)
+        derivatives (``kernel.plain``), as partials of the plan's shape (the whole value
+        and gradients in the first block, zeros in the others, so that every route's
+        partials combine alike). What the graph evaluates on an accelerator
+        (:func:`.routes.accelerator`). ``resident``: the site's data leaves, unpadded."""
+        key = ("plain", wrt, kernel, set_axes)
         fn = self.cache.get(key)
         if fn is None:
-            fn = self.cache.setdefault(key, jax.jit(self._plain_fn(
-                tuple(diff_traced), tuple(diff_shared), set_axes, order)))
+            fn = self.cache.setdefault(key, jax.jit(functools.partial(
+                self._plain_blocks, self.plain_sums(wrt, kernel, set_axes),
+                0 if set_axes is None else 1)))
         return fn(tuple(resident), tuple(traced), tuple(shared))
 
-    def _plain_fn(self, diff_traced, diff_shared, set_axes, order):
+    def _plain_blocks(self, sums, lead, resident, traced, shared):
+        """:meth:`plain_partials`' program: the sums in block 0, zeros in the others."""
         n_blocks = self.spec.plan.n_blocks
-        sums = self.plain_sums(diff_traced, diff_shared, set_axes, order)
-        lead = 0 if set_axes is None else 1
 
         def first_of(x):  # the whole in block 0, zeros in the others (after any sets)
             shape = jnp.shape(x)[:lead] + (n_blocks,) + jnp.shape(x)[lead:]
             return jnp.zeros(shape, jnp.result_type(x)).at[(slice(None),) * lead + (0,)].set(x)
 
-        def plain(resident, traced, shared):
-            v, gs, gt = sums(resident, traced, shared)
-            return first_of(v), tuple(map(first_of, gs)), gt
+        value, shared_grads, data_grads = sums(resident, traced, shared)
+        return first_of(value), tuple(map(first_of, shared_grads)), data_grads
 
-        return plain
-
-    def plain_sums(self, diff_traced, diff_shared, set_axes=None, order: int = 1):
+    def plain_sums(self, wrt: Wrt, kernel, set_axes=None):
         """``f(resident, traced, shared, valid=None) -> (value, shared gradients, per-row
         gradients)``: ``fn`` on all the rows it is given at once, summed, with JAX's own
-        derivatives (plain NumPyro's program). ``valid``: only rows ``[0, valid)`` count
-        (a device's share padded with copies of its last row), else all. ``set_axes``: a
-        batch of parameter sets, leading in the outputs; ``order`` as in :meth:`_block`."""
-        block = self.spec.block_fn()
-
-        def one(resident, traced, shared, valid):
-            if order == 2:
-                n_t, n_s = len(diff_traced), len(diff_shared)
-                tan_t, tan_s = traced[n_t:], shared[n_s:]
-                traced, shared = traced[:n_t], shared[:n_s]
-
-            def grads(td, sd):
-                def total(td, sd):
-                    pointwise = block(resident, merge(traced, td, diff_traced),
-                                      merge(shared, sd, diff_shared))
-                    if valid is not None:
-                        pointwise = jnp.where(jnp.arange(pointwise.shape[0]) < valid,
-                                              pointwise, 0)
-                    return jnp.sum(pointwise)
-
-                v, (gt, gs) = jax.value_and_grad(total, argnums=(0, 1))(td, sd)
-                return v, tuple(gs), tuple(gt)
-
-            td, sd = tuple(kept(traced, diff_traced)), tuple(kept(shared, diff_shared))
-            return (grads(td, sd) if order == 1 else
-                    jax.jvp(grads, (td, sd), (tuple(tan_t), tuple(tan_s)))[1])
-
+        derivatives (plain NumPyro's program, :meth:`.kernels.Gradient.plain`; the
+        tangents of the three for a Hessian-vector product). ``valid``: only rows ``[0,
+        valid)`` count (a device's share padded with copies of its last row), else all.
+        ``set_axes``: a batch of parameter sets, leading in the outputs."""
+        one = functools.partial(_plain_sum, kernel, self.spec.block_fn(), wrt)
         if set_axes is None:
-            return lambda resident, traced, shared, valid=None: one(resident, traced, shared,
-                                                                     valid)
-        return lambda resident, traced, shared, valid=None: jax.vmap(
-            one, in_axes=(None,) + tuple(set_axes) + (None,))(resident, traced, shared, valid)
+            return one
+        return functools.partial(_plain_sets, one, (None,) + tuple(set_axes) + (None,))
 
-    def _graph_fn(self, diff_traced, diff_shared, set_axes, order):
-        key = ("graph", diff_traced, diff_shared, set_axes, order)
+    def _graph_fn(self, wrt: Wrt, kernel, set_axes):
+        key = ("graph", wrt, kernel, set_axes)
         if key in self.cache:
             return self.cache[key]
-        plan = self.spec.plan
-        assert set_axes is None or self.spec.form == "batched" or order == 2, \
-            "looped sets run one at a time (a batch of tangents: mapped)"
-
-        def graph(prepared, prepared_tail, traced, shared):
-            axes_t = set_axes[0] if set_axes else (None,) * len(traced)  # tangents included
-            traced = tuple(pad_blocks(t, plan, block_axis(a), jnp) for t, a in zip(traced, axes_t))
-            # The inputs as opaque as to a host program (guards ``hide`` and ``fence``): data
-            # read only as positions stays in view (a gather's index pairs fold at compile).
-            prepared, prepared_tail, valid = hide_values(self.positions, prepared, prepared_tail,
-                                                         jnp.asarray(self.valid))
-            traced, shared = fence((traced, shared))
-            if self.spec.form == "batched":
-                tail = None
-                if self.spec.tiles.tail:
-                    tail = (prepared_tail, take_blocks(traced, axes_t, -1, None), valid[-1:])
-                    traced, valid = take_blocks(traced, axes_t, None, -1), valid[:-1]
-                out = self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                   tail=tail, set_axes=set_axes, order=order)
-            else:
-                first, count = jnp.int32(0), jnp.int32(plan.n_blocks)
-
-                def one(traced, shared):
-                    return self.looped(prepared, traced, shared, valid, first, count,
-                                       plan.n_blocks, diff_traced, diff_shared, order)
-
-                if set_axes is None:
-                    out = one(traced, shared)
-                elif self.spec.lapack_rows:  # a batch would batch the kernels' matrices
-                    out = set_by_set(one, set_axes)(traced, shared)
-                else:
-                    out = jax.vmap(one, set_axes)(traced, shared)
-            # ...and on the way out: the caller's use of the partials is not fused into them.
-            out = fence(out)
-            lead = 0 if set_axes is None else 1
-            return out.values, out.shared_grads, tuple(unblock(g, plan.n_rows, lead)
-                                                      for g in out.data_grads)
-
-        fn = jax.jit(graph)
+        fn = jax.jit(functools.partial(self._graph_program, wrt, kernel, set_axes))
         with self._lock:
             return self.cache.setdefault(key, fn)
+
+    def _graph_program(self, wrt: Wrt, kernel, set_axes, prepared, prepared_tail, traced,
+                       shared):
+        """The graph route's program: the blocks of ``traced`` made, the inputs behind
+        the guards, the layout's evaluation, the partials fenced on the way out."""
+        plan = self.spec.plan
+        traced_axes = set_axes[0] if set_axes else (None,) * len(traced)  # tangents included
+        traced = tuple(pad_blocks(t, plan, block_axis(a), jnp)
+                       for t, a in zip(traced, traced_axes))
+        # The inputs as opaque as to a host program (guards ``hide`` and ``fence``): data
+        # read only as positions stays in view (a gather's index pairs fold at compile).
+        prepared, prepared_tail, valid = hide_values(self.positions, prepared, prepared_tail,
+                                                     jnp.asarray(self.valid))
+        traced, shared = fence((traced, shared))
+        out = self.layout.graph(self, kernel, prepared, prepared_tail, traced, shared, valid,
+                                wrt, set_axes, traced_axes)
+        # ...and on the way out: the caller's use of the partials is not fused into them.
+        out = fence(out)
+        lead = 0 if set_axes is None else 1
+        return out.values, out.shared_grads, tuple(unblock(g, plan.n_rows, lead)
+                                                  for g in out.data_grads)
 
     # -- the host path: compiled functions of whole tiles ---------------------------
 
     def compiled(self, blocks: int, diff_traced, diff_shared, in_axes, last: bool = False,
                  order: int = 1):
-        """The jitted evaluation of ``blocks`` blocks (one or more whole tiles), cached.
-
-        ``batched``: ``f(prepared, traced, shared, valid)`` on arrays of exactly those
-        blocks, or, when ``last`` and the plan's last block is padded,
-        ``f(prepared, traced, shared, valid, tail)`` with that block's arrays apart (see
-        :meth:`batched`). ``looped``: ``f(prepared, traced, shared, valid, first, count)``
-        where ``prepared`` may hold more blocks (from ``first`` on). ``in_axes``: the
-        vmap axes of ``(traced, shared)`` under a batch of parameter sets, mapped inside
-        the blocks as in the graph path, or ``None``; a site of ``sets="each"`` maps the
-        unbatched program over them (:func:`.batching.each_set`). ``order`` 2: Hessian-vector
-        products (see :meth:`_block`), a batch of tangents mapped inside the blocks in
-        either form.
-        """
+        """The jitted evaluation of ``blocks`` blocks (one or more whole tiles), cached by
+        :func:`.tasks.program_key`: the layout's chunk program
+        (:meth:`.kernels.Batched.chunk_program`) of the kernel of ``order``
+        (:func:`.kernels.kernel_for`). ``last``: the chunk ends with the plan's last
+        block (padded, run apart where the tiles say so). ``in_axes``: the vmap axes of
+        ``(traced, shared)`` under a batch of parameter sets (or of tangents), mapped
+        inside the blocks as in the graph path, or ``None``; a site of ``sets="each"``
+        maps the unbatched program over the sets (:func:`.batching.each_set`) where the
+        kernel says so (:attr:`.kernels.Gradient.sets_apart`)."""
         split = last and self.split_tail
         key = program_key(blocks, diff_traced, diff_shared, in_axes, split, order)
         if key in self.cache:
             return self.cache[key]
-        # Mapped over the sets (and over a batch of tangents, where LAPACK kernels must not
-        # batch their matrices).
-        if in_axes is not None and self.sets_each and (order == 1 or self.spec.lapack_rows):
-            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last,
-                                         order), in_axes, split)
-        elif split:
-            def run(prepared, traced, shared, valid, tail):
-                return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                    tail=tail, set_axes=in_axes, order=order)
-        elif self.spec.form == "batched":
-            def run(prepared, traced, shared, valid):
-                return self.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                    set_axes=in_axes, order=order)
+        wrt = Wrt(tuple(diff_traced), tuple(diff_shared))
+        kernel = kernel_for(order, wrt)
+        if in_axes is not None and self.sets_each and kernel.sets_apart(self.spec):
+            run = each_set(self.compiled(blocks, diff_traced, diff_shared, None, last, order),
+                           in_axes, split)
         else:
-            def run(prepared, traced, shared, valid, first, count):
-                def one(traced, shared):
-                    return self.looped(prepared, traced, shared, valid, first, count, blocks,
-                                       diff_traced, diff_shared, order)
-
-                return one(traced, shared) if in_axes is None else jax.vmap(one, in_axes)(
-                    traced, shared)
+            run = self.layout.chunk_program(self, kernel, blocks, wrt, in_axes, split)
         fn = jax.jit(run)
         with self._lock:
             return self.cache.setdefault(key, fn)
+
+
+def _plain_sum(kernel, block, wrt, resident, traced, shared, valid=None):
+    """:meth:`Program.plain_sums` of one parameter set."""
+    return kernel.plain(block, resident, traced, shared, valid, wrt)
+
+
+def _plain_sets(one, in_axes, resident, traced, shared, valid=None):
+    """:meth:`Program.plain_sums` of a batch of parameter sets (``in_axes``)."""
+    return jax.vmap(one, in_axes=in_axes)(resident, traced, shared, valid)
 
 
 def runs_of_rows(f, most: int):
@@ -695,8 +541,3 @@ def hide_values(positions, prepared, tail, valid) -> tuple:
         if tail:
             tail[k] = hidden_tail[j]
     return tuple(prepared), tuple(tail), valid
-
-
-#: The name a traced chunk program is counted under in ``Program.traces``.
-_KIND = {(1, "batched"): "batched", (2, "batched"): "batched hvp",
-         (1, "looped"): "looped", (2, "looped"): "looped hvp"}

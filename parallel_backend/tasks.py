@@ -19,7 +19,6 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
 from .blocks import tree_sum
 from .errors import ChunkError
@@ -312,20 +311,13 @@ def run_chunk(program, resident, chunk, evaluation: Evaluation) -> ChunkResult:
 
 
 def _call(program, resident, chunk, ev: Evaluation):
-    """The chunk's partials: one call of its compiled program (the padded last block
-    apart where the plan says so; see ``Program.batched``)."""
-    a, b = chunk.first, chunk.first + chunk.count
+    """The chunk's partials: one call of its compiled program, as the site's layout calls
+    it (:meth:`.kernels.Batched.call`)."""
+    b = chunk.first + chunk.count
     split = b == len(program.valid) and program.split_tail
     fn = program.cache.get(program_key(chunk.count, ev.diff_traced, ev.diff_shared,
                                        ev.in_axes, split, ev.order))
     if fn is None:
         fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
                               b == len(program.valid), ev.order)
-    if program.is_looped:
-        return fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
-                  np.int32(a - resident.first), np.int32(chunk.count))
-    if split:
-        tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
-        return fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
-                  program.valid[a:b - 1], tail)
-    return fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
+    return program.layout.call(fn, program, resident, chunk, ev)

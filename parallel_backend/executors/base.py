@@ -26,6 +26,7 @@ import numpy as np
 from .. import routes as _routes
 from ..errors import EvaluationStalled
 from ..guards import gather
+from ..kernels import Wrt, kernel_for
 from ..routes import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
@@ -263,11 +264,13 @@ class Executor:
         program; an executor that maps blocks over devices overrides it. ``set_axes``: a
         batch of parameter sets (see :func:`parallel_backend.batching.over_blocks`).
         """
+        wrt = Wrt(tuple(diff_traced), tuple(diff_shared))
+        kernel = kernel_for(1, wrt)
         if _routes.accelerator():
-            return state.program.plain_partials(state.resident(), traced, shared, diff_traced,
-                                                diff_shared, set_axes)
-        return state.program.graph_partials(state.prepared(), traced, shared, diff_traced,
-                                            diff_shared, set_axes)
+            return state.program.plain_partials(state.resident(), traced, shared, wrt, kernel,
+                                                set_axes)
+        return state.program.graph_partials(state.prepared(), traced, shared, wrt, kernel,
+                                            set_axes)
 
     def map(self, func: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         """``[func(item) for item in items]`` on this executor's workers, in order.

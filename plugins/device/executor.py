@@ -33,11 +33,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel_backend import ThreadExecutor
 from parallel_backend.extend import (
+    BATCHED,
+    LOOPED,
     STALL_TIMEOUT,
     EvaluationStalled,
     Executor,
     Resident,
+    RowsBefore,
     Task,
+    Wrt,
     accelerator,
     block_axis,
     chunks_within,
@@ -46,6 +50,7 @@ from parallel_backend.extend import (
     gather,
     hide,
     is_tracer,
+    kernel_for,
     pad_blocks,
     pad_rows,
     run_eagerly,
@@ -310,6 +315,8 @@ class DeviceExecutor(Executor):
             return self._plain_shares(state, traced, shared, diff_traced, diff_shared,
                                       set_axes)
         program, plan = state.program, state.spec.plan
+        wrt = Wrt(tuple(diff_traced), tuple(diff_shared))
+        kernel = kernel_for(1, wrt)
         layout, prepared, valid = self._place(state)
         axes_t = set_axes[0] if set_axes else (None,) * len(traced)
         # Blocks first (a set axis after them) to be split over the devices.
@@ -325,15 +332,15 @@ class DeviceExecutor(Executor):
             if state.spec.form == "batched":
                 traced = tuple(jnp.moveaxis(t, 0, block_axis(a)) for t, a in zip(traced, axes_t))
                 # SPMD: the same program on every device, so every block is masked.
-                out = program.batched(prepared, traced, shared, valid, diff_traced, diff_shared,
-                                      masked=True, set_axes=set_axes)
+                out = BATCHED.partials(program, kernel, prepared, traced, shared, valid, wrt,
+                                       counted=RowsBefore, set_axes=set_axes)
                 out = jax.tree.map(lambda x: jnp.moveaxis(x, lead, 0), out)
             else:
                 me = lax.axis_index(AXIS)
                 count = jnp.clip(layout.n_blocks - me * layout.per_device, 0, layout.per_device)
                 first, count = jnp.int32(0), count.astype(jnp.int32)
-                out = program.looped(prepared, traced, shared, valid, first, count,
-                                     layout.per_device, diff_traced, diff_shared)
+                out = LOOPED.partials(program, kernel, wrt, prepared, valid, first, count,
+                                      layout.per_device, traced, shared)
             return fence(out)
 
         spec = PartitionSpec(AXIS)
@@ -391,7 +398,8 @@ class DeviceExecutor(Executor):
         # Rows first (a set axis after them) to be split over the devices.
         rows = tuple(jnp.moveaxis(pad_rows(t, total, block_axis(a), jnp), block_axis(a), 0)
                      for t, a in zip(traced, axes_t))
-        sums = state.program.plain_sums(tuple(diff_traced), tuple(diff_shared), set_axes)
+        wrt = Wrt(tuple(diff_traced), tuple(diff_shared))
+        sums = state.program.plain_sums(wrt, kernel_for(1, wrt), set_axes)
         lead = 0 if set_axes is None else 1
 
         def run(resident, rows, shared, count):
