@@ -78,7 +78,7 @@ def measure(name: str, repeats: int) -> list[str]:
         for label, (hess, hvp) in programs.items():
             times[label][0].append(seconds(hess, params))
             times[label][1].append(seconds(hvp, params, tangent))
-    routes = {"auto, thread(2)": executors["auto, thread(2)"].sites()[0].decision}
+    routes = {"auto, thread(2)": executors["auto, thread(2)"].sites()[0].decision.name}
     for ex in executors.values():
         ex.close()
     n_params = sum(int(np.size(p)) for p in params)

@@ -33,6 +33,7 @@ constants), :mod:`.identity` (array digests) and :mod:`.internals` (JAX's jaxpr 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import NamedTuple
@@ -722,6 +723,13 @@ def computes(closed, rules: bool = True) -> str:
     return h.hexdigest()
 
 
+def _inexact_part(fun, args, inexact, outs, *moving):
+    """``fun``'s inexact outputs, ``moving`` taking the place of its inexact inputs."""
+    it = iter(moving)
+    out = fun(*(next(it) if f else x for x, f in zip(args, inexact)))
+    return [out[i] for i in outs]
+
+
 def _derivative(closed, transpose: bool):
     """The jaxpr of ``closed``'s derivative over its inexact inputs, traced now: the
     rules it calls run in that trace. A ``custom_jvp`` rule runs in the forward
@@ -733,11 +741,7 @@ def _derivative(closed, transpose: bool):
     outs = [i for i, a in enumerate(closed.out_avals) if np.issubdtype(a.dtype, np.inexact)]
 
     def derivative(args, vectors):
-        def part(*d):
-            it = iter(d)
-            out = fun(*(next(it) if f else x for x, f in zip(args, inexact)))
-            return [out[i] for i in outs]
-
+        part = functools.partial(_inexact_part, fun, args, inexact, outs)
         primals = tuple(x for x, f in zip(args, inexact) if f)
         if not transpose:
             return jax.jvp(part, primals, tuple(vectors))

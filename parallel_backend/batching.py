@@ -27,6 +27,7 @@ Imports jax, :mod:`.blocks` (the block axis) and :mod:`.internals`.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -73,45 +74,54 @@ def each_set(one, in_axes, split: bool = False):
     """``f(prepared, traced, shared, *rest)``: ``one`` (an unbatched chunk program) on each
     parameter set of the batch in turn, the leaves ``in_axes`` maps taken per set; with
     ``split``, ``rest`` is ``(valid, tail)`` and the tail's traced leaves are taken too."""
+    return functools.partial(_each_set, one, in_axes, split)
+
+
+def _each_set(one, in_axes, split, prepared, traced, shared, *rest):
     axes_t, axes_s = in_axes
+    tail_t = tuple(rest[1][1]) if split else ()
+    leaves = (*traced, *shared, *tail_t)
+    axes = axes_t + axes_s + (axes_t if split else ())
+    member = functools.partial(_set_member, one, split, prepared, leaves, axes, len(traced),
+                               len(shared), rest)
+    return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
 
-    def run(prepared, traced, shared, *rest):
-        tail_t = tuple(rest[1][1]) if split else ()
-        leaves = (*traced, *shared, *tail_t)
-        axes = axes_t + axes_s + (axes_t if split else ())
 
-        def member(mapped):
-            it = iter(mapped)
-            mine = [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
-            t, s = tuple(mine[:len(traced)]), tuple(mine[len(traced):len(traced) + len(shared)])
-            if split:
-                rest_m = (rest[0], (rest[1][0], tuple(mine[len(traced) + len(shared):]),
-                                    rest[1][2]))
-                return one(prepared, t, s, *rest_m)
-            return one(prepared, t, s, *rest)
+def _set_member(one, split, prepared, leaves, axes, n_traced, n_shared, rest, mapped):
+    """:func:`each_set`'s program on one set: ``mapped`` holds its slices of the leaves
+    that ``axes`` maps."""
+    mine = _taken(leaves, axes, mapped)
+    traced, shared = tuple(mine[:n_traced]), tuple(mine[n_traced:n_traced + n_shared])
+    if split:
+        valid, (tail_prepared, _, tail_valid) = rest
+        rest = (valid, (tail_prepared, tuple(mine[n_traced + n_shared:]), tail_valid))
+    return one(prepared, traced, shared, *rest)
 
-        return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
 
-    return run
+def _taken(leaves, axes, mapped) -> list:
+    """``leaves`` with those ``axes`` maps (axis 0) replaced by ``mapped``, in order."""
+    it = iter(mapped)
+    return [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
 
 
 def set_by_set(f, set_axes):
     """``g(traced, shared)``: what ``jax.vmap(f, in_axes=set_axes)`` gives, each parameter
     set evaluated by ``f`` alone (:func:`map_sets`), the leaves ``set_axes`` maps taken
     per set."""
+    return functools.partial(_set_by_set, f, set_axes)
 
-    def g(traced, shared):
-        axes = (*set_axes[0], *set_axes[1])
-        leaves = (*traced, *shared)
 
-        def member(mapped):
-            it = iter(mapped)
-            mine = [next(it) if a == 0 else x for x, a in zip(leaves, axes)]
-            return f(tuple(mine[:len(traced)]), tuple(mine[len(traced):]))
+def _set_by_set(f, set_axes, traced, shared):
+    axes = (*set_axes[0], *set_axes[1])
+    leaves = (*traced, *shared)
+    member = functools.partial(_one_set, f, leaves, axes, len(traced))
+    return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
 
-        return map_sets(member, [x for x, a in zip(leaves, axes) if a == 0])
 
-    return g
+def _one_set(f, leaves, axes, n_traced, mapped):
+    """:func:`set_by_set`'s ``f`` on one set."""
+    mine = _taken(leaves, axes, mapped)
+    return f(tuple(mine[:n_traced]), tuple(mine[n_traced:]))
 
 
 def map_sets(f, xs):
@@ -145,35 +155,41 @@ def nest_sets(evaluate, set_axes):
     with the sets), which under a further ``vmap`` folds that level's axis into the
     sets (outer major, as the host path flattens them) instead of mapping around them,
     so that a nested ``vmap`` evaluates every set as one batch on every route."""
-
-    @custom_vmap
-    def f(traced, shared):
-        return evaluate(traced, shared, set_axes)
-
-    @f.def_vmap
-    def rule(size, in_batched, traced, shared):
-        bt, bs = in_batched
-        axes_t, axes_s = set_axes
-        inner = next(x.shape[1 if b else 0] for x, a, b in
-                     zip(traced + shared, axes_t + axes_s, bt + bs) if a == 0)
-
-        def fold(x, outer, axis):
-            if not outer and axis is None:
-                return x, None
-            if not outer:
-                x = jnp.broadcast_to(x, (size,) + x.shape)
-            elif axis is None:
-                x = jnp.broadcast_to(x[:, None], (size, inner) + x.shape[1:])
-            return x.reshape((size * inner,) + x.shape[2:]), 0
-
-        ft = [fold(x, b, a) for x, b, a in zip(traced, bt, axes_t)]
-        fs = [fold(x, b, a) for x, b, a in zip(shared, bs, axes_s)]
-        folded = nest_sets(evaluate, (tuple(a for _, a in ft), tuple(a for _, a in fs)))
-        out = folded(tuple(x for x, _ in ft), tuple(x for x, _ in fs))
-        out = jax.tree.map(lambda x: x.reshape((size, inner) + x.shape[1:]), out)
-        return out, jax.tree.map(lambda _: True, out)
-
+    f = custom_vmap(functools.partial(_evaluate_sets, evaluate, set_axes))
+    f.def_vmap(functools.partial(_fold_level, evaluate, set_axes))
     return f
+
+
+def _evaluate_sets(evaluate, set_axes, traced, shared):
+    return evaluate(traced, shared, set_axes)
+
+
+def _fold_level(evaluate, set_axes, size, in_batched, traced, shared):
+    """:func:`nest_sets`' batching rule: this level's axis (``size``) folded into the
+    sets, outer major."""
+    batched_traced, batched_shared = in_batched
+    axes_t, axes_s = set_axes
+    inner = next(x.shape[1 if b else 0] for x, a, b in
+                 zip(traced + shared, axes_t + axes_s, batched_traced + batched_shared)
+                 if a == 0)
+    folded_t = [_fold(x, b, a, size, inner) for x, b, a in zip(traced, batched_traced, axes_t)]
+    folded_s = [_fold(x, b, a, size, inner) for x, b, a in zip(shared, batched_shared, axes_s)]
+    folded = nest_sets(evaluate, (tuple(a for _, a in folded_t), tuple(a for _, a in folded_s)))
+    out = folded(tuple(x for x, _ in folded_t), tuple(x for x, _ in folded_s))
+    out = jax.tree.map(lambda x: x.reshape((size, inner) + x.shape[1:]), out)
+    return out, jax.tree.map(lambda _: True, out)
+
+
+def _fold(x, outer: bool, axis, size: int, inner: int):
+    """``(x, axis)`` with the outer level (``outer``: ``x`` leads with it) and the inner
+    sets (``axis`` 0) as one axis of ``size * inner`` sets; a leaf with neither stays."""
+    if not outer and axis is None:
+        return x, None
+    if not outer:
+        x = jnp.broadcast_to(x, (size,) + x.shape)
+    elif axis is None:
+        x = jnp.broadcast_to(x[:, None], (size, inner) + x.shape[1:])
+    return x.reshape((size * inner,) + x.shape[2:]), 0
 
 
 def unblock(g, n_rows: int, lead: int = 0):
@@ -197,33 +213,47 @@ def site_batching(route, wrt):
     ``vmap`` (vectorized chains) is the route's own (:meth:`.routes.Route.batched`): one
     evaluation of every set with the sets inside the blocks, on every route, or, for a
     site of ``sets="each"``, each set alone, the bits of the unbatched program."""
+    counted, uncounted = _BatchingRule(route, wrt), _BatchingRule(route.uncounted(), wrt)
+    again = Again(_batched_partials(counted), _batched_partials(uncounted))
+    counted.again = uncounted.again = again  # each rule maps with both functions
+    return functools.partial(_site_partials, route, wrt, again.counted)
 
-    def make(r):
-        @custom_vmap
-        def f(traced, shared, choice):
-            return r.partials(traced, shared, choice, wrt)
 
-        @f.def_vmap
-        def rule(size, in_batched, traced, shared, choice):
-            bt, bs, bc = in_batched
-            axes = (tuple(0 if b else None for b in bt), tuple(0 if b else None for b in bs))
-            out = r.batched(traced, shared, choice, wrt, axes,
-                            any(jax.tree_util.tree_leaves(bc)), again)
-            return out, jax.tree.map(lambda _: True, out)
+class _BatchingRule:
+    """:func:`site_batching`'s batching rule for one route: the route's own
+    (:meth:`.routes.Route.batched`), handed the site's batching functions (``again``)."""
 
-        return f
+    def __init__(self, route, wrt):
+        self.route, self.wrt, self.again = route, wrt, None
 
-    again = Again(make(route), make(route.uncounted()))
+    def __call__(self, size, in_batched, traced, shared, choice):
+        batched_traced, batched_shared, batched_choice = in_batched
+        axes = (tuple(0 if b else None for b in batched_traced),
+                tuple(0 if b else None for b in batched_shared))
+        out = self.route.batched(traced, shared, choice, self.wrt, axes,
+                                 any(jax.tree_util.tree_leaves(batched_choice)), self.again)
+        return out, jax.tree.map(lambda _: True, out)
 
-    def partials(traced, shared, choice):
-        if not any(is_tracer(x) for x in jax.tree_util.tree_leaves((traced, shared, choice))):
-            # Called eagerly, outside any vmap: the partials as they are (through the
-            # custom_vmap, a DeviceExecutor's shard_map that counted failed to lower:
-            # "Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
-            return route.partials(traced, shared, choice, wrt)
-        return again.counted(traced, shared, choice)
 
-    return partials
+def _batched_partials(rule: _BatchingRule):
+    """``rule.route.partials`` behind a ``custom_vmap`` whose batching rule is ``rule``."""
+    f = custom_vmap(functools.partial(_route_partials, rule.route, rule.wrt))
+    f.def_vmap(rule)
+    return f
+
+
+def _route_partials(route, wrt, traced, shared, choice):
+    return route.partials(traced, shared, choice, wrt)
+
+
+def _site_partials(route, wrt, counted, traced, shared, choice):
+    """:func:`site_batching`'s function."""
+    if not any(is_tracer(x) for x in jax.tree_util.tree_leaves((traced, shared, choice))):
+        # Called eagerly, outside any vmap: the partials as they are (through the
+        # custom_vmap, a DeviceExecutor's shard_map that counted failed to lower:
+        # "Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
+        return route.partials(traced, shared, choice, wrt)
+    return counted(traced, shared, choice)
 
 
 def tangent_batching(evaluate):
@@ -239,7 +269,7 @@ def tangent_batching(evaluate):
 
     @f.def_vmap
     def rule(size, in_batched, traced, shared):
-        axes = tuple(tuple(0 if b else None for b in bs) for bs in in_batched)
+        axes = tuple(tuple(0 if b else None for b in batched) for batched in in_batched)
         out = nest_sets(evaluate, axes)(traced, shared)
         return out, jax.tree.map(lambda _: True, out)
 

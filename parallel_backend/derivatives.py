@@ -54,19 +54,21 @@ def site_value(route, blocked):
 
 
 def site_value_and_grads(route):
-    """``f(traced, shared, choice, wrt) -> (value, data gradients, shared gradients)`` on
+    """``f(traced, shared, choice, wrt) -> (value, shared gradients, data gradients)`` on
     ``route`` (an eager ``jax.grad`` on the host route compiles it as one program); its
     own derivative rule is never reached."""
     return _Rules(route, None).value_and_grads
 
 
 class _Rules:
-    """The derivative rules of one site on one route (see the module docstring)."""
+    """The derivative rules of one site on one route (see the module docstring). Every
+    triple is ``(value, shared gradients, data gradients)``, as :class:`.tasks.Partials`
+    holds them, and every pair of arguments ``(traced, shared)``."""
 
     def __init__(self, route, blocked):
         self.route, self.blocked = route, blocked
         self._batching: dict = {}
-        self.value_and_grads = jax.custom_jvp(self.run_grads, nondiff_argnums=(3,))
+        self.value_and_grads = jax.custom_jvp(self.run, nondiff_argnums=(3,))
         self.value_and_grads.defjvp(self.value_and_grads_jvp, symbolic_zeros=True)
         self.value = jax.custom_jvp(self.run_value)
         self.value.defjvp(self.value_jvp, symbolic_zeros=True)
@@ -86,10 +88,6 @@ class _Rules:
             return fence(combine(*parts))
         return _finish(*parts)  # partials computed eagerly: the rest as one program too
 
-    def run_grads(self, traced, shared, choice, wrt: Wrt):
-        v, gs, gd = self.run(traced, shared, choice, wrt)
-        return v, gd, gs
-
     def run_value(self, traced, shared, choice):
         return self.run(traced, shared, choice, Wrt.none(len(traced), len(shared)))[0]
 
@@ -97,13 +95,12 @@ class _Rules:
 
     def value_jvp(self, primals, tangents):
         traced, shared, choice = primals
-        tt, ts, _ = tangents
-        wrt = Wrt(tuple(_is_float(x) and not isinstance(t, SymbolicZero)
-                        for x, t in zip(traced, tt)),
-                  tuple(_is_float(x) and not isinstance(t, SymbolicZero)
-                        for x, t in zip(shared, ts)))
-        v, gd, gs = self.grads_for(traced, shared, choice)(traced, shared, choice, wrt)
-        return v, _dotted(v, [*zip(gd, kept(tt, wrt.traced)), *zip(gs, kept(ts, wrt.shared))])
+        traced_tangents, shared_tangents, _ = tangents
+        wrt = Wrt(_moving(traced, traced_tangents), _moving(shared, shared_tangents))
+        value, shared_grads, data_grads = self.grads_for(traced, shared, choice)(
+            traced, shared, choice, wrt)
+        return value, _dotted(value, [*zip(data_grads, kept(traced_tangents, wrt.traced)),
+                                      *zip(shared_grads, kept(shared_tangents, wrt.shared))])
 
     def grads_for(self, traced, shared, choice):
         """:attr:`value_and_grads`, or, for an eager ``jax.grad`` on a route whose eager
@@ -113,49 +110,76 @@ class _Rules:
         # Not ``value_and_grads``: its derivative rule holds the data (``blocked``), the
         # site would too.
         return self.route.state.eager_call((self.route.grainsize, "grad"),
-                                           lambda: site_value_and_grads(self.route),
+                                           functools.partial(site_value_and_grads, self.route),
                                            static_argnums=(3,))
 
     # -- second order -----------------------------------------------------------------------
 
     def value_and_grads_jvp(self, wrt, primals, tangents):
         traced, shared, choice = primals
-        tt, ts = (tuple(None if isinstance(t, SymbolicZero) or not _is_float(x) else t
-                        for x, t in zip(xs, ts_)) for xs, ts_ in zip(primals[:2], tangents[:2]))
+        traced_tangents = _nonzero(traced, tangents[0])
+        shared_tangents = _nonzero(shared, tangents[1])
         out = self.value_and_grads(traced, shared, choice, wrt)
         if self.route.autodiff_products:
-            return out, tangent_of(self.blocked, wrt.traced, wrt.shared, traced, shared, tt, ts)
-        return out, self.product_tangent(traced, shared, choice, wrt, tt, ts, out)
+            return out, tangent_of(self.blocked, wrt, traced, shared, traced_tangents,
+                                   shared_tangents)
+        return out, self.product_tangent(traced, shared, choice, wrt, traced_tangents,
+                                         shared_tangents, out)
 
-    def product_tangent(self, traced, shared, choice, wrt, tt, ts, out):
+    def product_tangent(self, traced, shared, choice, wrt, traced_tangents, shared_tangents,
+                        out):
         """The tangent: per-block Hessian-vector products over the leaves with a gradient or
         a tangent (``along``), the gradients' taken out, by the same block programs on
         every route: the same bits."""
-        along = Wrt(tuple(d or t is not None for d, t in zip(wrt.traced, tt)),
-                    tuple(d or t is not None for d, t in zip(wrt.shared, ts)))
-        vectors = tuple(tuple(jnp.zeros(jnp.shape(x), jnp.result_type(x)) if t is None else t
-                              for x, t in zip(kept(xs, u), kept(ts_, u)))
-                        for xs, ts_, u in ((traced, tt, along.traced),
-                                           (shared, ts, along.shared)))
-
-        def apply(aux, at, b):
-            _, hs, ht = combine(*self.route.products(*at, aux[0] if aux else None, along, b))
-            return tuple(ht), tuple(hs)
-
-        def twin(at, b):
-            _, ht, hs = tangent_of(self.blocked, along.traced, along.shared, *at,
-                                   merge((None,) * len(along.traced), b[0], along.traced),
-                                   merge((None,) * len(along.shared), b[1], along.shared))
-            return tuple(ht), tuple(hs)
-
-        ht, hs = symmetric_product(apply, twin, (traced, shared), vectors,
-                                   aux=() if choice is None else (choice,))
+        along = Wrt(tuple(d or t is not None for d, t in zip(wrt.traced, traced_tangents)),
+                    tuple(d or t is not None for d, t in zip(wrt.shared, shared_tangents)))
+        vectors = (_filled(kept(traced, along.traced), kept(traced_tangents, along.traced)),
+                   _filled(kept(shared, along.shared), kept(shared_tangents, along.shared)))
+        apply = functools.partial(_apply_products, self.route, along)
+        twin = functools.partial(_twin_products, self.blocked, along)
+        traced_products, shared_products = symmetric_product(
+            apply, twin, (traced, shared), vectors, aux=() if choice is None else (choice,))
         # The value's tangent: the gradients (of every leaf with a tangent) dotted with it.
-        g = out if along == wrt else self.value_and_grads(traced, shared, choice, along)
-        dv = _dotted(out[0], [*zip(g[1], kept(tt, along.traced)),
-                              *zip(g[2], kept(ts, along.shared))])
-        return dv, tuple(kept(ht, kept(wrt.traced, along.traced))), \
-            tuple(kept(hs, kept(wrt.shared, along.shared)))
+        grads = out if along == wrt else self.value_and_grads(traced, shared, choice, along)
+        value_tangent = _dotted(out[0], [*zip(grads[2], kept(traced_tangents, along.traced)),
+                                         *zip(grads[1], kept(shared_tangents, along.shared))])
+        return (value_tangent, tuple(kept(shared_products, kept(wrt.shared, along.shared))),
+                tuple(kept(traced_products, kept(wrt.traced, along.traced))))
+
+
+def _apply_products(route, along, aux, at, vectors):
+    """The route's Hessian-vector products at ``at`` (``(traced, shared)``) along
+    ``vectors``, combined in block order: ``(traced products, shared products)``."""
+    _, shared_products, traced_products = combine(
+        *route.products(*at, aux[0] if aux else None, along, vectors))
+    return tuple(traced_products), tuple(shared_products)
+
+
+def _twin_products(blocked, along, at, vectors):
+    """:func:`_apply_products` in plain JAX: the tangent of the blocked sum's gradients."""
+    _, shared_products, traced_products = tangent_of(
+        blocked, along, *at, merge((None,) * len(along.traced), vectors[0], along.traced),
+        merge((None,) * len(along.shared), vectors[1], along.shared))
+    return tuple(traced_products), tuple(shared_products)
+
+
+def _moving(leaves, tangents) -> tuple:
+    """Per leaf: a float leaf with a tangent that is not a symbolic zero."""
+    return tuple(_is_float(x) and not isinstance(t, SymbolicZero)
+                 for x, t in zip(leaves, tangents))
+
+
+def _nonzero(leaves, tangents) -> tuple:
+    """Per leaf its tangent, or ``None`` for a symbolic zero or a leaf that is not a
+    float."""
+    return tuple(None if isinstance(t, SymbolicZero) or not _is_float(x) else t
+                 for x, t in zip(leaves, tangents))
+
+
+def _filled(leaves, tangents) -> tuple:
+    """The tangents, zeros of the leaf's shape where one is ``None``."""
+    return tuple(jnp.zeros(jnp.shape(x), jnp.result_type(x)) if t is None else t
+                 for x, t in zip(leaves, tangents))
 
 
 def _combined(values, shared_grads, data_grads):
@@ -179,30 +203,35 @@ def _is_float(x) -> bool:
 
 # -- the Hessian-vector product and its own derivative ---------------------------------------
 
-def value_and_grads_of(blocked, dt, ds, traced, shared):
-    """``(value, data gradients, shared gradients)`` of ``blocked(traced, shared)`` for the
-    leaves ``dt``/``ds`` mark, by JAX's autodiff: the in-graph twin of the route's
+def value_and_grads_of(blocked, wrt: Wrt, traced, shared):
+    """``(value, shared gradients, data gradients)`` of ``blocked(traced, shared)`` for
+    the leaves ``wrt`` marks, by JAX's autodiff: the in-graph twin of the route's
     ``value_and_grads``."""
 
-    def total(td, sd):
-        return blocked(merge(traced, td, dt), merge(shared, sd, ds))
+    def total(traced_part, shared_part):
+        return blocked(merge(traced, traced_part, wrt.traced),
+                       merge(shared, shared_part, wrt.shared))
 
-    v, (gd, gs) = jax.value_and_grad(total, argnums=(0, 1))(tuple(kept(traced, dt)),
-                                                            tuple(kept(shared, ds)))
-    return v, tuple(gd), tuple(gs)
+    value, (data_grads, shared_grads) = jax.value_and_grad(total, argnums=(0, 1))(
+        tuple(kept(traced, wrt.traced)), tuple(kept(shared, wrt.shared)))
+    return value, tuple(shared_grads), tuple(data_grads)
 
 
-def tangent_of(blocked, dt, ds, traced, shared, tt, ts):
-    """The tangent of :func:`value_and_grads_of` along ``tt``/``ts`` (per leaf; ``None``
+def tangent_of(blocked, wrt: Wrt, traced, shared, traced_tangents, shared_tangents):
+    """The tangent of :func:`value_and_grads_of` along the tangents (per leaf; ``None``
     for a zero tangent), in the caller's program."""
-    ft = tuple(t is not None for t in tt)
-    fs = tuple(t is not None for t in ts)
+    moving = Wrt(tuple(t is not None for t in traced_tangents),
+                 tuple(t is not None for t in shared_tangents))
+    at = functools.partial(_value_and_grads_at, blocked, wrt, traced, shared, moving)
+    return jax.jvp(at, (tuple(kept(traced, moving.traced)), tuple(kept(shared, moving.shared))),
+                   (tuple(kept(traced_tangents, moving.traced)),
+                    tuple(kept(shared_tangents, moving.shared))))[1]
 
-    def at(xt, xs):
-        return value_and_grads_of(blocked, dt, ds, merge(traced, xt, ft), merge(shared, xs, fs))
 
-    return jax.jvp(at, (tuple(kept(traced, ft)), tuple(kept(shared, fs))),
-                   (tuple(kept(tt, ft)), tuple(kept(ts, fs))))[1]
+def _value_and_grads_at(blocked, wrt, traced, shared, moving, traced_part, shared_part):
+    """:func:`value_and_grads_of` with the leaves ``moving`` marks taken from the parts."""
+    return value_and_grads_of(blocked, wrt, merge(traced, traced_part, moving.traced),
+                              merge(shared, shared_part, moving.shared))
 
 
 def symmetric_product(apply, twin, primals, tangent, aux=()):
@@ -252,22 +281,31 @@ class _Product:
         out = self.twin(jax.tree.unflatten(self.p_tree, p), jax.tree.unflatten(self.b_tree, b))
         return self.b_tree.flatten_up_to(out)
 
-    def batched(self, axes):
+    def batched(self, axes) -> _Product:
         """This product of a batch (every operand's batch axis first or ``None``): both
         functions mapped."""
-        n = self.n_aux + self.n_p
-        ap, bp = axes[self.n_aux:n], axes[n:]
-        outer = self
+        return _BatchedProduct(self, axes)
 
-        class Batched(_Product):
-            def flat_apply(self, *ops):
-                return jax.vmap(outer.flat_apply, in_axes=axes)(*ops)
 
-            def flat_twin(self, p, b):
-                return jax.vmap(lambda p, b: outer.flat_twin(list(p), list(b)),
-                                in_axes=(tuple(ap), tuple(bp)))(tuple(p), tuple(b))
+class _BatchedProduct(_Product):
+    """A :class:`_Product` of a batch: ``product``'s two functions under ``vmap``."""
 
-        return Batched(None, None, self.p_tree, self.b_tree, self.n_aux, self.n_p)
+    def __init__(self, product: _Product, axes):
+        super().__init__(None, None, product.p_tree, product.b_tree, product.n_aux,
+                         product.n_p)
+        self.product, self.axes = product, axes
+        n = product.n_aux + product.n_p
+        self.primal_axes, self.tangent_axes = tuple(axes[product.n_aux:n]), tuple(axes[n:])
+
+    def flat_apply(self, *ops):
+        return jax.vmap(self.product.flat_apply, in_axes=self.axes)(*ops)
+
+    def flat_twin(self, p, b):
+        return jax.vmap(self._twin, in_axes=(self.primal_axes, self.tangent_axes))(
+            tuple(p), tuple(b))
+
+    def _twin(self, p, b):
+        return self.product.flat_twin(list(p), list(b))
 
 
 def _product_impl(*ops, rule):

@@ -56,7 +56,7 @@ from .guards import fence, gather, hide
 from .internals import is_tracer
 from .kernels import BATCHED, LOOPED, RowsBefore, Wrt, kernel_for
 from .reduce import RowSum, reduce_rows
-from .routes import GRAPH, HOST, Choice, Slots, carried, choose
+from .routes import GRAPH, HOST, ROUTES, Choice, GraphRoute, HostRoute, Slots, carried, choose
 from .site import SiteState
 from .spec import Program, SiteSpec, run_eagerly
 from .tasks import (
@@ -74,6 +74,7 @@ __all__ = [
     "GRAPH",
     "HOST",
     "LOOPED",
+    "ROUTES",
     "STALL_TIMEOUT",
     "AdaptiveChunker",
     "BlockPlan",
@@ -84,6 +85,8 @@ __all__ = [
     "Evaluation",
     "EvaluationStalled",
     "Executor",
+    "GraphRoute",
+    "HostRoute",
     "InFlightLimit",
     "Program",
     "Resident",

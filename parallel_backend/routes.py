@@ -54,6 +54,7 @@ __all__ = [
     "HOST",
     "LOOP",
     "MARGIN",
+    "ROUTES",
     "Choice",
     "GraphCounter",
     "GraphRoute",
@@ -85,9 +86,18 @@ class Route:
     :meth:`partials`, :meth:`batched` and :meth:`products`; the rest are properties the
     derivative rules read.
 
+    The route classes are also the decision: :func:`default_route`,
+    :meth:`Executor.route` and :func:`choose` give :class:`GraphRoute` or
+    :class:`HostRoute` (the class), and :func:`route_of` makes the route the site uses
+    from it (:meth:`for_site`). Strings appear only where users read or write them: the
+    public ``dispatch=`` values (:data:`ROUTES` reads them) and ``stats()`` (:attr:`name`).
+
     Attributes
     ----------
     name : {"graph", "host", "switched"}
+        What ``dispatch=`` and ``stats()`` call it.
+    slot : int
+        Its value in a program's slots (:data:`GRAPH`, :data:`HOST`).
     sets_each : bool
         A batch of parameter sets is evaluated one set at a time, each the unbatched
         program (the site's spec says ``sets="each"``), rather than with the sets inside
@@ -102,6 +112,7 @@ class Route:
     """
 
     name = "route"
+    slot = -1
 
     def __init__(self, executor, state):
         self.executor, self.state = executor, state
@@ -127,6 +138,12 @@ class Route:
         marks): per-block Hessian-vector products."""
         raise NotImplementedError
 
+    @classmethod
+    def for_site(cls, executor, state, grainsize) -> Route:
+        """This route for ``state``'s site on ``executor`` (``grainsize``: the host
+        route's fixed chunk size, or ``None``)."""
+        raise NotImplementedError
+
     def uncounted(self) -> Route:
         """This route without its evaluation counter (where the caller counts a batch
         once)."""
@@ -144,9 +161,9 @@ def _per_set(again, traced, shared, axes, *extra):
 
     def one(members):
         it = iter(members)
-        t1, s1 = jax.tree_util.tree_unflatten(
+        traced_set, shared_set = jax.tree_util.tree_unflatten(
             tree, [next(it) if b else x for x, b in zip(flat, batched)])
-        return again(t1, s1, *it)
+        return again(traced_set, shared_set, *it)
 
     return map_sets(one, [x for x, b in zip(flat, batched) if b] + list(extra))
 
@@ -156,10 +173,18 @@ class GraphRoute(Route):
     by the site's :class:`GraphCounter` where the executor counts graph calls."""
 
     name = "graph"
+    slot = GRAPH
 
     def __init__(self, executor, state, counter=None):
         super().__init__(executor, state)
         self.counter = counter
+
+    @classmethod
+    def for_site(cls, executor, state, grainsize) -> GraphRoute:
+        """Counted by the site's counter where the executor counts graph calls."""
+        del grainsize
+        return cls(executor, state, executor.graph_counter(state) if executor.count_calls
+                   else None)
 
     def uncounted(self) -> GraphRoute:
         return GraphRoute(self.executor, self.state) if self.counter is not None else self
@@ -169,13 +194,13 @@ class GraphRoute(Route):
         values have leading entries) where this route counts; ``out`` otherwise."""
         if self.counter is None:
             return out
-        values, gs, gd = out
+        values, shared_grads, data_grads = out
         zero = self.counter.zero(values.sum(axis=-1))
 
         def add(x):
             return x + zero.reshape(zero.shape + (1,) * (x.ndim - zero.ndim)).astype(x.dtype)
 
-        return add(values), tuple(map(add, gs)), tuple(map(add, gd))
+        return add(values), tuple(map(add, shared_grads)), tuple(map(add, data_grads))
 
     def partials(self, traced, shared, choice, wrt):
         return self.count(self.executor.graph_partials(self.state, traced, shared,
@@ -226,12 +251,17 @@ class HostRoute(Route):
     batch of parameter sets or of tangents included): :mod:`.host`."""
 
     name = "host"
+    slot = HOST
 
     def __init__(self, executor, state, grainsize):
         super().__init__(executor, state)
         self.grainsize = grainsize
         self.eager_program = True
         self.autodiff_products = False
+
+    @classmethod
+    def for_site(cls, executor, state, grainsize) -> HostRoute:
+        return cls(executor, state, grainsize)
 
     def partials(self, traced, shared, choice, wrt, tangents=((), ())):
         return host_path.partials(self.state, self.executor, self.grainsize, traced, shared,
@@ -294,20 +324,18 @@ def route_of(executor, state, grainsize, choice=None) -> Route:
     thread, chunk programs in this process never start (seen with jax 0.10: two devices
     on two cores). The devices already run in parallel there, and the graph gives the
     same bits."""
-    counter = executor.graph_counter(state) if executor.count_calls else None
     if device_shards() > 1:
-        return GraphRoute(executor, state, counter)
+        return GraphRoute.for_site(executor, state, grainsize)
     if choice is not None:
-        return SwitchedRoute(GraphRoute(executor, state, counter),
-                             HostRoute(executor, state, grainsize))
-    if executor.route(state) == "host":
-        return HostRoute(executor, state, grainsize)
-    return GraphRoute(executor, state, counter)
+        return SwitchedRoute(GraphRoute.for_site(executor, state, grainsize),
+                             HostRoute.for_site(executor, state, grainsize))
+    return executor.route(state).for_site(executor, state, grainsize)
 
 
-def default_route(executor, state) -> str:
-    """``"graph"`` or ``"host"`` for ``state``'s site on ``executor`` without measuring:
-    the executor's fixed ``dispatch``, else (``"auto"``) the host where the site is
+def default_route(executor, state) -> type[Route]:
+    """:class:`GraphRoute` or :class:`HostRoute` for ``state``'s site on ``executor``
+    without measuring: the executor's fixed route (``dispatch="graph"`` or ``"host"``,
+    :attr:`Executor.fixed_route`), else (``"auto"``) the host where the site is
     evaluated block by block for a ``scan`` (XLA keeps such a body on one core) and the
     host path can split it (two workers, two tiles), else the graph (where XLA threads
     the batched evaluation as it threads plain NumPyro, and the blocks looped for a
@@ -322,13 +350,17 @@ def default_route(executor, state) -> str:
     Fewer tiles than workers still pays: on 16 cores the HMM at 10,000 and 50,000
     sequences (8 and 25 tiles) beat plain on the host and lost in the graph, whose block
     loop holds one core while plain's scan takes three (docs/performance.md)."""
-    if executor.dispatch != "auto":
-        return executor.dispatch
+    if executor.fixed_route is not None:
+        return executor.fixed_route
     if accelerator():  # the graph is plain's program on the device: nothing to split
-        return "graph"
+        return GraphRoute
     if executor.can_use_host(state) and state.spec.form == "looped" and not state.spec.row_loop:
-        return "host"
-    return "graph"
+        return HostRoute
+    return GraphRoute
+
+
+#: The routes by the names ``dispatch=`` takes (``"auto"``: none fixed).
+ROUTES: dict[str, type[Route]] = {"graph": GraphRoute, "host": HostRoute}
 
 
 # -- choices carried into a compiled program ------------------------------------------
@@ -367,7 +399,7 @@ class Slots:
         i = self._index.get(key)
         if i is None:
             used = sum(s.slot is not None for s in self.sites)
-            switchable = (executor.dispatch == "auto" and executor.can_use_host(state)
+            switchable = (executor.fixed_route is None and executor.can_use_host(state)
                           and used < self.capacity)
             i = self._index[key] = len(self.sites)
             self.sites.append(SlotSite(executor, state, used if switchable else None))
@@ -404,7 +436,8 @@ class Choice(NamedTuple):
 
     Attributes
     ----------
-    route : {"graph", "host"}
+    route : type[Route]
+        :class:`GraphRoute` or :class:`HostRoute`.
     ratio : float
         Median seconds per gradient on the host over those in the graph (< 1: the host
         is faster); ``nan`` without measurements.
@@ -412,12 +445,12 @@ class Choice(NamedTuple):
         One line: what the measurements said.
     """
 
-    route: str
+    route: type[Route]
     ratio: float
     reason: str
 
 
-def choose(graph, host, default: str, margin: float = MARGIN) -> Choice:
+def choose(graph, host, default: type[Route], margin: float = MARGIN) -> Choice:
     """The route from paired measurements: ``graph[i]`` and ``host[i]`` are seconds per
     gradient of round ``i`` (each measured on a real segment of the sampler).
 
@@ -430,11 +463,11 @@ def choose(graph, host, default: str, margin: float = MARGIN) -> Choice:
 
     Examples
     --------
-    >>> choose([1.0, 1.0, 1.1], [0.7, 0.8, 0.75], "graph").route
+    >>> choose([1.0, 1.0, 1.1], [0.7, 0.8, 0.75], GraphRoute).route.name
     'host'
-    >>> choose([1.0, 1.0, 1.0], [0.98, 1.03, 0.99], "host").route
+    >>> choose([1.0, 1.0, 1.0], [0.98, 1.03, 0.99], HostRoute).route.name
     'host'
-    >>> choose([1.0, 1.0, 1.0], [1.2, 1.3, 1.1], "host").route
+    >>> choose([1.0, 1.0, 1.0], [1.2, 1.3, 1.1], HostRoute).route.name
     'graph'
     """
     g, h = np.asarray(graph, float), np.asarray(host, float)
@@ -445,10 +478,11 @@ def choose(graph, host, default: str, margin: float = MARGIN) -> Choice:
     faster, slower = int(np.sum(h < g)), int(np.sum(h > g))
     text = f"host/graph {ratio:.3f} per gradient, host faster in {faster} of {g.size} rounds"
     if ratio < 1 - margin and faster >= need:
-        return Choice("host", ratio, text)
+        return Choice(HostRoute, ratio, text)
     if ratio > 1 + margin and slower >= need:
-        return Choice("graph", ratio, text)
-    return Choice(default, ratio, text + f": within the noise, the default ({default}) stays")
+        return Choice(GraphRoute, ratio, text)
+    return Choice(default, ratio,
+                  text + f": within the noise, the default ({default.name}) stays")
 
 
 def in_a_loop(f, loops: int = LOOP):
@@ -467,21 +501,29 @@ def in_a_loop(f, loops: int = LOOP):
     True
     """
 
-    def zero_of(out):
-        return sum(jnp.sum(x) for x in jax.tree.leaves(out)) * 0
+    return jax.jit(functools.partial(_loop, f, loops))
 
-    def nudge(args, zero):
-        return jax.tree.map(lambda x: x + zero.astype(x.dtype)
-                            if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x, args)
 
-    def loop(*args):
-        def body(_, carry):
-            zero, a = carry
-            return zero_of(f(*nudge(a, zero))), a
+def _loop(f, loops, *args):
+    """:func:`in_a_loop`'s program."""
+    body = functools.partial(_loop_step, f)
+    return jax.lax.fori_loop(1, loops, body, (_zero_of(f(*args)), args))[0]
 
-        return jax.lax.fori_loop(1, loops, body, (zero_of(f(*args)), args))[0]
 
-    return jax.jit(loop)
+def _loop_step(f, _, carry):
+    zero, args = carry
+    return _zero_of(f(*_nudged(args, zero))), args
+
+
+def _zero_of(out):
+    """Zero that depends on every output."""
+    return sum(jnp.sum(x) for x in jax.tree.leaves(out)) * 0
+
+
+def _nudged(args, zero):
+    """``args`` plus ``zero`` (their float leaves): the next call depends on the last."""
+    return jax.tree.map(lambda x: x + zero.astype(x.dtype)
+                        if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x, args)
 
 
 # -- counting graph evaluations ------------------------------------------------------

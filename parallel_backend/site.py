@@ -23,6 +23,7 @@ import jax
 from .blocks import accelerator
 from .chunking import AdaptiveChunker
 from .identity import frozen
+from .routes import ROUTES, Route
 from .spec import Program, SiteSpec, run_eagerly
 from .tasks import Resident, host_device
 
@@ -40,10 +41,12 @@ class SiteState:
     Attributes
     ----------
     spec : SiteSpec
-    decision : {"graph", "host"} or None
-        Where this executor evaluates the site where nothing was measured (its
-        ``dispatch``, or the rule of :func:`~parallel_backend.routes.default_route`);
-        set when the site is first traced.
+    decision : type[Route] or None
+        Where this executor evaluates the site where nothing was measured
+        (:class:`~parallel_backend.routes.GraphRoute` or
+        :class:`~parallel_backend.routes.HostRoute`: its ``dispatch``, or the rule of
+        :func:`~parallel_backend.routes.default_route`); set when the site is first
+        traced.
     measured : Choice or None
         What ``pb.sample`` measured on this site, and where it then ran it.
     chunker : AdaptiveChunker
@@ -57,7 +60,7 @@ class SiteState:
         # ``resident_leaves`` are such copies already (reduce_sum hashed its snapshots).
         fn = frozen(spec.fn)
         self.spec = spec if fn is spec.fn else spec._replace(fn=fn)
-        self.decision: str | None = None
+        self.decision: type[Route] | None = None
         self.measured: Any = None  # a routes.Choice
         self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
         self._resident_leaves = tuple(resident_leaves)
@@ -84,10 +87,11 @@ class SiteState:
     def label(self) -> str:
         return self.spec.label
 
-    def settle(self, decision: str) -> None:
-        """Record where the site runs by default."""
-        if decision not in ("graph", "host"):
-            raise ValueError(f"decision must be 'graph' or 'host', got {decision!r}")
+    def settle(self, decision: type[Route]) -> None:
+        """Record where the site runs by default (a route class)."""
+        if decision not in ROUTES.values():
+            raise ValueError(f"decision must be one of {list(ROUTES.values())}, "
+                             f"got {decision!r}")
         self.decision = decision
 
     @property
@@ -155,9 +159,10 @@ class SiteState:
 
     def __repr__(self) -> str:
         p = self.spec.plan
-        measured = f", measured={self.measured.route}" if self.measured else ""
+        measured = f", measured={self.measured.route.name}" if self.measured else ""
+        decision = None if self.decision is None else self.decision.name
         return (f"SiteState({self.spec.label}, rows={p.n_rows}, block_rows={p.block_rows}, "
-                f"blocks={p.n_blocks}, form={self.spec.form}, decision={self.decision}"
+                f"blocks={p.n_blocks}, form={self.spec.form}, decision={decision}"
                 f"{measured})")
 
 

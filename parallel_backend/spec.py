@@ -363,43 +363,53 @@ def runs_of_rows(f, most: int):
         size = next(d for d in range(min(most, rows), 0, -1) if rows % d == 0)
         if size == rows:
             return f(resident, traced, shared)
-
-        def cut(xs):
-            return [jnp.reshape(x, (rows // size, size) + tuple(jnp.shape(x)[1:])) for x in xs]
-
-        out = lax.map(lambda rt: f(rt[0], rt[1], shared), (cut(resident), cut(traced)))
+        out = lax.map(lambda rt: f(rt[0], rt[1], shared),
+                      (_in_runs(resident, size), _in_runs(traced, size)))
         return jnp.reshape(out, (rows,))
 
     return runs
+
+
+def _in_runs(xs, size: int) -> list:
+    """Each of ``xs`` (rows first) as ``(runs, size, ...)``."""
+    return [jnp.reshape(x, (jnp.shape(x)[0] // size, size) + tuple(jnp.shape(x)[1:]))
+            for x in xs]
 
 
 def block_programs(spec: SiteSpec):
     """``programs(rows)``: the jaxprs of what a block program evaluates on ``rows`` rows:
     ``fn``'s value, its gradient in every float leaf (traced and shared), and their
     Hessian-vector product (for :func:`.analysis.lapack_rows`)."""
+    return functools.partial(_block_programs, spec)
 
-    def programs(rows):
-        one = spec._replace(plan=BlockPlan(rows, rows, 1, 0))
-        resident, traced, shared = one.block_struct()
-        block = one.block_fn()
-        wants = (tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in traced),
-                 tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in shared))
 
-        def total(r, t, s):
-            return jnp.sum(block(r, t, s))
+def _block_programs(spec: SiteSpec, rows: int) -> list:
+    one = spec._replace(plan=BlockPlan(rows, rows, 1, 0))
+    resident, traced, shared = one.block_struct()
+    wrt = Wrt(tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in traced),
+              tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in shared))
+    total = functools.partial(_summed, one.block_fn())
+    grads = functools.partial(_grads_of, total, wrt)
+    hvp = functools.partial(_hvp_of, grads)
+    args = (resident, traced, shared, kept(traced, wrt.traced), kept(shared, wrt.shared))
+    return [jax.make_jaxpr(total)(*args[:3])] + [jax.make_jaxpr(g)(*args) for g in (grads, hvp)]
 
-        def grads(r, t, s, td, sd):
-            return jax.grad(lambda td, sd: total(r, merge(t, td, wants[0]),
-                                                 merge(s, sd, wants[1])), argnums=(0, 1))(td, sd)
 
-        def hvp(r, t, s, td, sd):
-            return jax.jvp(lambda td, sd: grads(r, t, s, td, sd), (td, sd), (td, sd))[1]
+def _summed(block, resident, traced, shared):
+    return jnp.sum(block(resident, traced, shared))
 
-        args = (resident, traced, shared, kept(traced, wants[0]), kept(shared, wants[1]))
-        return [jax.make_jaxpr(total)(*args[:3])] + [jax.make_jaxpr(g)(*args)
-                                                     for g in (grads, hvp)]
 
-    return programs
+def _grads_of(total, wrt, resident, traced, shared, traced_part, shared_part):
+    """The gradient of ``total`` in the leaves ``wrt`` marks, at the parts given."""
+    return jax.grad(lambda tp, sp: total(resident, merge(traced, tp, wrt.traced),
+                                         merge(shared, sp, wrt.shared)),
+                    argnums=(0, 1))(traced_part, shared_part)
+
+
+def _hvp_of(grads, resident, traced, shared, traced_part, shared_part):
+    """``grads``' tangent along the parts themselves (a Hessian-vector product)."""
+    return jax.jvp(lambda tp, sp: grads(resident, traced, shared, tp, sp),
+                   (traced_part, shared_part), (traced_part, shared_part))[1]
 
 
 def make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan, value_dtype, x64,

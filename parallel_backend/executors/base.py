@@ -177,6 +177,9 @@ class Executor:
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {list(DISPATCH_MODES)}, got {dispatch!r}")
         self.dispatch = dispatch
+        #: The route ``dispatch`` fixes (:class:`~parallel_backend.routes.GraphRoute` or
+        #: :class:`~parallel_backend.routes.HostRoute`), or ``None`` for ``"auto"``.
+        self.fixed_route: type[_routes.Route] | None = _routes.ROUTES.get(dispatch)
         self.count_calls = bool(count_calls)
         self.stall_timeout = check_stall_timeout(stall_timeout, type(self).__name__)
         self._lock = threading.Lock()
@@ -312,10 +315,12 @@ class Executor:
         """The call sites this executor holds, as :class:`SiteState` records."""
         return self._states.values()
 
-    def decide(self, state: SiteState) -> str:
-        """Where ``state``'s site runs where nothing was measured: ``"graph"`` or
-        ``"host"`` (:func:`parallel_backend.routes.default_route`). Subclasses may
-        override it; it must not time or compile anything (it runs while tracing)."""
+    def decide(self, state: SiteState) -> type[_routes.Route]:
+        """Where ``state``'s site runs where nothing was measured: the route class
+        (:class:`~parallel_backend.routes.GraphRoute` or
+        :class:`~parallel_backend.routes.HostRoute`) that
+        :func:`parallel_backend.routes.default_route` gives. Subclasses may override it;
+        it must not time or compile anything (it runs while tracing)."""
         return _routes.default_route(self, state)
 
     def has_host_path(self, state: SiteState) -> bool:
@@ -328,7 +333,7 @@ class Executor:
         several tiles, where :meth:`has_host_path`."""
         return self.has_host_path(state) and self.workers >= 2 and state.spec.tiles.n_tiles >= 2
 
-    def route(self, state: SiteState) -> str:
+    def route(self, state: SiteState) -> type[_routes.Route]:
         """Where ``state``'s site runs by default: decided (by :meth:`decide`) the first
         time, then kept. Called by ``reduce_sum`` while tracing."""
         decision = state.decision
@@ -458,7 +463,7 @@ def site_stats(state: SiteState) -> dict[str, Any]:
     spec = state.spec
     p = spec.plan
     route = state.measured.route if state.measured is not None else state.decision
-    host = route == "host"
+    host = route is _routes.HostRoute
     if host:
         rows = [min(state.chunker.blocks_per_chunk * p.block_rows, p.n_rows)]
     else:
@@ -466,9 +471,15 @@ def site_stats(state: SiteState) -> dict[str, Any]:
     out = {"label": spec.label, "rows": p.n_rows, "block_rows": p.block_rows,
            "blocks": p.n_blocks, "tile_blocks": spec.tiles.tile_blocks,
            "tiles": spec.tiles.n_tiles, "form": spec.form, "sets": spec.sets,
-           "dispatch": route, "default": state.decision, "chunk_rows": rows,
+           "dispatch": _name(route), "default": _name(state.decision), "chunk_rows": rows,
            "settled": state.chunker.settled if host else None}
     if state.measured is not None:
-        out["measured"] = {"route": state.measured.route, "host_over_graph": state.measured.ratio,
+        out["measured"] = {"route": state.measured.route.name,
+                           "host_over_graph": state.measured.ratio,
                            "reason": state.measured.reason}
     return out
+
+
+def _name(route) -> str | None:
+    """A route's name as ``stats()`` shows it (``None``: not decided yet)."""
+    return None if route is None else route.name

@@ -38,6 +38,8 @@ from parallel_backend.extend import (
     STALL_TIMEOUT,
     EvaluationStalled,
     Executor,
+    GraphRoute,
+    HostRoute,
     Resident,
     RowsBefore,
     Task,
@@ -177,10 +179,10 @@ class DeviceExecutor(Executor):
     def workers(self) -> int:
         return len(self._devices)
 
-    def decide(self, state: SiteState) -> str:
-        """As :meth:`Executor.decide`; ``"graph"`` (in place) inside ``pmap``."""
+    def decide(self, state: SiteState) -> type[GraphRoute | HostRoute]:
+        """As :meth:`Executor.decide`; the graph (in place) inside ``pmap``."""
         if _in_place():
-            return "graph"
+            return GraphRoute
         return super().decide(state)
 
     def has_host_path(self, state: SiteState) -> bool:
@@ -192,7 +194,7 @@ class DeviceExecutor(Executor):
         """Whether ``state``'s graph path is the ``shard_map`` over the devices: with
         ``dispatch="graph"``, and on several accelerators with ``"auto"`` too (each
         device runs plain's program on its share of the rows)."""
-        if state.decision != "graph":
+        if state.decision is not GraphRoute:
             return False
         return self.dispatch == "graph" or (self.dispatch == "auto" and accelerator()
                                             and len(self._devices) > 1)
@@ -463,7 +465,7 @@ class DeviceExecutor(Executor):
                 lay = self.layout(state)
                 entry["chunk_rows"] = [min(lay.local_rows, state.spec.plan.n_rows)]
                 entry["devices"] = lay.active
-            elif state.decision == "host":
+            elif state.decision is HostRoute:
                 shares = state.placed.get("device.shares", ())
                 entry["devices"] = len(shares)
                 if shares:  # a chunk never spans two devices' data

@@ -39,7 +39,7 @@ from jax import lax
 from numpyro.infer import MCMC
 from numpyro.util import is_prng_key
 
-from parallel_backend.extend import GRAPH, HOST, Slots, carried
+from parallel_backend.extend import GRAPH, Slots, carried
 
 from .progress import figures
 
@@ -210,8 +210,8 @@ class Segments:
         """Each slot's default route (before the loop is traced: all in the graph)."""
         out = np.full(SLOTS, GRAPH, np.int32)
         for site in self.slots.sites if self.slots is not None else ():
-            if site.slot is not None and site.executor.route(site.state) == "host":
-                out[site.slot] = HOST
+            if site.slot is not None:
+                out[site.slot] = site.executor.route(site.state).slot
         return out
 
 

@@ -23,9 +23,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from parallel_backend.extend import GRAPH, HOST, choose
+from parallel_backend.extend import HOST, GraphRoute, HostRoute, choose
 
 __all__ = ["ROUNDS", "SEGMENT_SECONDS", "Tuner"]
+
+class Probe:
+    """The segment that times one transition, to size the timed rounds (not a route)."""
+
+    name = "probe"
+
 
 #: Paired rounds (a segment on each route) timed to choose.
 ROUNDS = 3
@@ -55,7 +61,7 @@ class Tuner:
         self.choices: Any = None  # np.int32 array once the loop is traced
         self.decided = not enabled
         self._plan: list = []  # (iterations, route) still to time
-        self._times: dict[str, list[float]] = {"graph": [], "host": []}
+        self._times: dict[type, list[float]] = {GraphRoute: [], HostRoute: []}
         self._iteration_seconds: Any = None  # seconds per transition, once probed
         self.segment_log: list = []  # (choices, calls, batches) per segment run
 
@@ -70,7 +76,7 @@ class Tuner:
             self.decided = True
             return stop, self.choices, None
         if self._iteration_seconds is None:  # one transition, compiled now, to size the rest
-            return min(lo + 1, stop), self.choices, "probe"
+            return min(lo + 1, stop), self.choices, Probe
         if not self._plan:
             self._finish()
             return stop, self.choices, None
@@ -81,11 +87,11 @@ class Tuner:
         """What the segment just run measured (``route`` as :meth:`next` said)."""
         if self.choices is None:
             self.choices = self.segments.default_choices()
-        if route == "probe":
+        if route is Probe:
             per = seconds / max(hi_lo[1] - hi_lo[0], 1)
             self._iteration_seconds = per
             self._plan_rounds(hi_lo[1])
-        elif route in ("graph", "host") and self._plan:
+        elif route in self._times and self._plan:
             done = hi_lo[1] - hi_lo[0]
             n, planned = self._plan.pop(0)
             if done == n and calls > 0:
@@ -103,17 +109,17 @@ class Tuner:
         slots = self.segments.slots
         return [s for s in (slots.sites if slots is not None else ()) if s.slot is not None]
 
-    def _with(self, route: str) -> np.ndarray:
+    def _with(self, route) -> np.ndarray:
         out = self.choices.copy()
         for site in self._candidates():
-            out[site.slot] = HOST if route == "host" else GRAPH
+            out[site.slot] = route.slot
         return out
 
-    def _default_route(self) -> str:
+    def _default_route(self) -> type[GraphRoute | HostRoute]:
         """Where most candidate sites run unless told otherwise."""
         sites = self._candidates()
         hosts = sum(int(self.choices[s.slot] == HOST) for s in sites)
-        return "host" if 2 * hosts >= len(sites) else "graph"
+        return HostRoute if 2 * hosts >= len(sites) else GraphRoute
 
     def _plan_rounds(self, at: int) -> None:
         """Paired rounds of segments, planned of equal length: as long as
@@ -132,7 +138,7 @@ class Tuner:
             self._plan = []
             return
         first = self._default_route()
-        pair = (first, "graph" if first == "host" else "host")
+        pair = (first, GraphRoute if first is HostRoute else HostRoute)
         self._plan = [(n, route) for r in range(rounds)
                       for route in (pair if r % 2 == 0 else pair[::-1])]
 
@@ -155,9 +161,9 @@ class Tuner:
         self.decided = True
         for site in self._candidates():
             default = site.executor.route(site.state)
-            choice = choose(self._times["graph"], self._times["host"], default)
+            choice = choose(self._times[GraphRoute], self._times[HostRoute], default)
             site.state.measured = choice
-            self.choices[site.slot] = HOST if choice.route == "host" else GRAPH
+            self.choices[site.slot] = choice.route.slot
 
     # -- counts for stats() -------------------------------------------------------------
 
@@ -178,7 +184,7 @@ class Tuner:
             calls = batches = 0
             for choices, c, b in self.segment_log:
                 on_host = (site.slot is not None and choices[site.slot] == HOST) or (
-                    site.slot is None and site.executor.route(site.state) == "host")
+                    site.slot is None and site.executor.route(site.state) is HostRoute)
                 if not on_host:
                     calls, batches = calls + c, batches + b
             if calls:

@@ -12,7 +12,7 @@ import pytest
 
 import parallel_backend as pb
 from helpers import regression_data, regression_loglik, regression_priors
-from parallel_backend.extend import GRAPH, HOST, Choice
+from parallel_backend.extend import Choice, GraphRoute, HostRoute
 from parallel_backend.plugins.sample import run as run_module
 from parallel_backend.plugins.sample import tuning
 
@@ -66,10 +66,10 @@ def test_sample_records_the_route_it_measured_for_each_site(tuners):
     for site in sites:
         choice = site.state.measured
         # measured on the run's own segments, not the default rule without timings
-        assert choice is not None and choice.route in ("graph", "host"), choice
+        assert choice is not None and choice.route in (GraphRoute, HostRoute), choice
         assert not choice.reason.startswith("not measured") and np.isfinite(choice.ratio)
         # the rest of the run went where the choice says
-        want = HOST if choice.route == "host" else GRAPH
+        want = choice.route.slot
         assert tuner.choices[site.slot] == want
         assert tuner.segment_log[-1][0][site.slot] == want
     # what users read: stats() per site
@@ -77,7 +77,7 @@ def test_sample_records_the_route_it_measured_for_each_site(tuners):
     assert len(by_label) == 2, list(by_label)
     for site in sites:
         entry = by_label[site.state.spec.label]
-        assert entry["measured"]["route"] == site.state.measured.route == entry["dispatch"]
+        assert entry["measured"]["route"] == site.state.measured.route.name == entry["dispatch"]
         assert entry["measured"]["reason"] == site.state.measured.reason
     # both routes ran real segments of the run while timing
     assert stats["host_calls"] > 0 and stats["graph_calls"] > 0, stats
@@ -91,8 +91,8 @@ def test_the_route_chosen_is_recorded_and_runs(tuners, monkeypatch):
 
     def choose(graph, host, default, margin=None):
         picked.append((list(graph), list(host)))
-        route = "host" if default == "graph" else "graph"
-        return Choice(route, 0.5, f"forced by the test (default {default})")
+        route = HostRoute if default is GraphRoute else GraphRoute
+        return Choice(route, 0.5, f"forced by the test (default {default.name})")
 
     monkeypatch.setattr(tuning, "choose", choose)
     with pb.ThreadExecutor(2) as ex:
@@ -107,9 +107,9 @@ def test_the_route_chosen_is_recorded_and_runs(tuners, monkeypatch):
     for site in sites:
         entry = by_label[site.state.spec.label]
         forced = "host" if entry["default"] == "graph" else "graph"
-        assert site.state.measured.route == forced
+        assert site.state.measured.route.name == forced
         assert entry["dispatch"] == forced and entry["measured"]["reason"].startswith("forced")
-        want = HOST if forced == "host" else GRAPH
+        want = site.state.measured.route.slot
         assert tuner.segment_log[-1][0][site.slot] == want
     # the draws do not depend on the route: the same run, chosen by its own timings
     monkeypatch.undo()

@@ -10,8 +10,19 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
-from parallel_backend.plugins.sample.tuning import ROUNDS, Tuner
-from parallel_backend.routes import GRAPH, HOST, MARGIN, Slots, carried, choose, default_route
+from parallel_backend.plugins.sample.tuning import ROUNDS, Probe, Tuner
+from parallel_backend.routes import (
+    GRAPH,
+    HOST,
+    MARGIN,
+    ROUTES,
+    GraphRoute,
+    HostRoute,
+    Slots,
+    carried,
+    choose,
+    default_route,
+)
 
 
 def hmm_like(y, a):
@@ -49,16 +60,16 @@ def test_default_route_threads_only_where_the_site_is_looped(scan_data):
             pb.ThreadExecutor(2, dispatch="graph") as fixed:
         looped = site_of(two, hmm_like, scan_data, 0.5)
         assert looped.spec.form == "looped" and looped.spec.tiles.n_tiles >= 4
-        assert default_route(two, looped) == "host"
+        assert default_route(two, looped) is HostRoute
         batched = site_of(two, elementwise, flat, 0.5)
-        assert batched.spec.form == "batched" and default_route(two, batched) == "graph"
-        assert default_route(one, site_of(one, hmm_like, scan_data, 0.5)) == "graph"
-        assert default_route(fixed, site_of(fixed, hmm_like, scan_data, 0.5)) == "graph"
+        assert batched.spec.form == "batched" and default_route(two, batched) is GraphRoute
+        assert default_route(one, site_of(one, hmm_like, scan_data, 0.5)) is GraphRoute
+        assert default_route(fixed, site_of(fixed, hmm_like, scan_data, 0.5)) is GraphRoute
     # more workers than tiles: the graph's block loop would hold one core of sixteen
     with pb.ThreadExecutor(16) as many:
         state = site_of(many, hmm_like, scan_data, 0.5)
         assert 2 <= state.spec.tiles.n_tiles < 16
-        assert default_route(many, state) == "host"
+        assert default_route(many, state) is HostRoute
 
 
 def test_a_scan_is_looped_at_every_size_in_blocks_of_its_own():
@@ -154,35 +165,35 @@ def test_looped_blocks_are_even_and_never_a_power_of_two():
 # -- the choice from timings -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("default", ["graph", "host"])
+@pytest.mark.parametrize("default", [GraphRoute, HostRoute])
 def test_choose_every_branch(default):
     # clearly faster on the host: host, whatever the default
-    assert choose([1.0, 1.1, 1.0], [0.7, 0.72, 0.69], default).route == "host"
+    assert choose([1.0, 1.1, 1.0], [0.7, 0.72, 0.69], default).route is HostRoute
     # clearly slower on the host: graph, whatever the default
-    assert choose([1.0, 1.0, 1.0], [1.3, 1.25, 1.4], default).route == "graph"
+    assert choose([1.0, 1.0, 1.0], [1.3, 1.25, 1.4], default).route is GraphRoute
     # within the margin: the default stays
     tie = choose([1.0, 1.0, 1.0], [0.99, 1.02, 0.98], default)
-    assert tie.route == default and "within the noise" in tie.reason
+    assert tie.route is default and "within the noise" in tie.reason
     # a median clearly faster, but faster in too few rounds: the default stays
     split = choose([1.0, 1.0, 1.0, 1.0], [0.5, 0.6, 1.2, 1.3], default)
-    assert split.ratio < 1 - MARGIN and split.route == default
+    assert split.ratio < 1 - MARGIN and split.route is default
     # nothing measured (or not paired): the default, said so
     for g, h in (([], []), ([1.0, 1.0], [0.5]), ([0.0, 1.0], [1.0, 1.0])):
         none = choose(g, h, default)
-        assert none.route == default and "not measured" in none.reason and np.isnan(none.ratio)
+        assert none.route is default and "not measured" in none.reason and np.isnan(none.ratio)
 
 
 def test_choose_is_stable_under_noise():
     """Timings that differ only by noise (+-3%) keep the default, run after run; a true
     difference of 20% is found in every run despite the same noise."""
     rng = np.random.default_rng(0)
-    for default in ("graph", "host"):
+    for default in (GraphRoute, HostRoute):
         for _ in range(200):
             g = 1.0 * (1 + 0.03 * rng.uniform(-1, 1, ROUNDS))
             same = 1.0 * (1 + 0.03 * rng.uniform(-1, 1, ROUNDS))
             faster = 0.8 * (1 + 0.03 * rng.uniform(-1, 1, ROUNDS))
-            assert choose(g, same, default).route == default
-            assert choose(g, faster, default).route == "host"
+            assert choose(g, same, default).route is default
+            assert choose(g, faster, default).route is HostRoute
 
 
 # -- the tuner's phases, timings injected -------------------------------------------------------
@@ -204,7 +215,7 @@ class Loop:
     def default_choices(self):
         out = np.full(8, GRAPH, np.int32)
         for site in self.slots.sites if self.slots else ():
-            if site.slot is not None and site.executor.route(site.state) == "host":
+            if site.slot is not None and site.executor.route(site.state) is HostRoute:
                 out[site.slot] = HOST
         return out
 
@@ -243,17 +254,18 @@ def test_tuner_phases_and_decision(scan_data, host_speed, expected):
 
         asked = drive(tuner, loop, speed)
     routes = [r for _, _, r, _ in asked]
-    assert routes[0] is None and routes[1] == "probe"
-    timed = [r for r in routes if r in ("graph", "host")]
-    first, other = state.decision, {"graph": "host", "host": "graph"}[state.decision]
+    assert routes[0] is None and routes[1] is Probe
+    timed = [r for r in routes if r in (GraphRoute, HostRoute)]
+    first = state.decision
+    other = {GraphRoute: HostRoute, HostRoute: GraphRoute}[first]
     assert timed == [first, other, other, first, first, other]
     assert len(timed) == 2 * ROUNDS
     for lo, hi, r, choices in asked:
-        if r in ("graph", "host"):
-            assert choices[0] == (HOST if r == "host" else GRAPH)
-    final = (expected or state.decision)
-    assert state.measured.route == final
-    assert asked[-1][3][0] == (HOST if final == "host" else GRAPH)
+        if r in (GraphRoute, HostRoute):
+            assert choices[0] == r.slot
+    final = ROUTES[expected] if expected else state.decision
+    assert state.measured.route is final
+    assert asked[-1][3][0] == final.slot
     assert asked[-1][1] == 300  # after deciding, one segment to the end
 
 
@@ -270,11 +282,11 @@ def test_tuner_shortens_segments_after_a_slow_transition(scan_data):
             return 0.06 if choices[0] == HOST else 0.095
 
         asked = drive(tuner, loop, speed, gradients_per_iteration=lambda i: 1 if i < 2 else 30)
-    timed = [(hi - lo, r) for lo, hi, r, _ in asked if r in ("graph", "host")]
+    timed = [(hi - lo, r) for lo, hi, r, _ in asked if r in (GraphRoute, HostRoute)]
     assert timed[0] == (7, state.decision)  # 0.4 s at the probe's 0.06 s per transition
     assert [n for n, _ in timed[1:]] == [1] * (2 * ROUNDS - 1)  # 1.8 s per transition
-    assert state.measured.route == "host"
-    assert sum(n for n, r in timed if r == "graph") == 3
+    assert state.measured.route is HostRoute
+    assert sum(n for n, r in timed if r is GraphRoute) == 3
 
 
 def test_tuner_retimes_a_segment_a_checkpoint_cut(scan_data):
@@ -315,7 +327,7 @@ def test_tuner_leaves_a_short_run_alone(scan_data):
         loop = Loop([(ex, state)], num_warmup=3, num_samples=3)
         tuner = Tuner(loop, progress=None)
         asked = drive(tuner, loop, lambda r, c: 1.0, total=6)
-    assert all(r in (None, "probe") for _, _, r, _ in asked)
+    assert all(r in (None, Probe) for _, _, r, _ in asked)
     assert state.measured is not None and "not measured" in state.measured.reason
 
 
