@@ -109,9 +109,8 @@ class _Rules:
             return self.value_and_grads
         # Not ``value_and_grads``: its derivative rule holds the data (``blocked``), the
         # site would too.
-        return self.route.state.eager_call((self.route.grainsize, "grad"),
-                                           functools.partial(site_value_and_grads, self.route),
-                                           static_argnums=(3,))
+        return self.route.eager("grad", functools.partial(site_value_and_grads, self.route),
+                                static_argnums=(3,))
 
     # -- second order -----------------------------------------------------------------------
 

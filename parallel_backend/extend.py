@@ -56,7 +56,18 @@ from .guards import fence, gather, hide
 from .internals import is_tracer
 from .kernels import BATCHED, LOOPED, RowsBefore, Wrt, kernel_for
 from .reduce import RowSum, reduce_rows
-from .routes import GRAPH, HOST, ROUTES, Choice, GraphRoute, HostRoute, Slots, carried, choose
+from .routes import (
+    GRAPH,
+    HOST,
+    ROUTES,
+    Choice,
+    GraphRoute,
+    HostRoute,
+    Route,
+    Slots,
+    carried,
+    choose,
+)
 from .site import SiteState
 from .spec import Program, SiteSpec, run_eagerly
 from .tasks import (
@@ -90,6 +101,7 @@ __all__ = [
     "InFlightLimit",
     "Program",
     "Resident",
+    "Route",
     "RowSum",
     "RowsBefore",
     "SiteSpec",

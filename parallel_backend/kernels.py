@@ -25,7 +25,7 @@ A *layout* is how a run of blocks is evaluated, one class per form of the site
 
 Both take any kernel, so the four combinations are written once each. A layout builds the
 graph route's body (:meth:`Batched.graph`), a host chunk's compiled program
-(:meth:`Batched.chunk_program`) and its call (:meth:`Batched.call`), and the blocked sum
+(:meth:`Batched.chunk_program`, called as :data:`.tasks.CHUNK_CALLS` says), and the blocked sum
 that third derivatives differentiate (:meth:`Batched.sum_blocks`). Imports jax and the core
 below it.
 """
@@ -306,25 +306,14 @@ class Batched:
     def chunk_program(self, program, kernel, blocks: int, wrt: Wrt, in_axes, split: bool):
         """A host chunk of ``blocks`` blocks, to be compiled: ``f(prepared, traced, shared,
         valid)``, or with ``split`` (the chunk ends with the padded last block)
-        ``f(prepared, traced, shared, valid, tail)``; see :meth:`call`."""
+        ``f(prepared, traced, shared, valid, tail)``, called as :data:`.tasks.CHUNK_CALLS`
+        says."""
         del blocks
         run = functools.partial(self.partials, program, kernel, wrt=wrt, set_axes=in_axes)
         if split:
             return lambda prepared, traced, shared, valid, tail: run(
                 prepared, traced, shared, valid, tail=tail)
         return run
-
-    def call(self, fn, program, resident, chunk, evaluation):
-        """``fn`` (:meth:`chunk_program`, compiled) on ``chunk``'s blocks of ``resident``
-        and of ``evaluation``'s traced leaves."""
-        a, b = chunk.first, chunk.first + chunk.count
-        if b == len(program.valid) and program.split_tail:
-            tail = (resident.view(b - 1, b), evaluation.blocks(b - 1, b),
-                    program.valid[b - 1:b])
-            return fn(resident.view(a, b - 1), evaluation.blocks(a, b - 1), evaluation.shared,
-                      program.valid[a:b - 1], tail)
-        return fn(resident.view(a, b), evaluation.blocks(a, b), evaluation.shared,
-                  program.valid[a:b])
 
     def sum_blocks(self, one, resident_blocks, traced_blocks):
         """``one(resident, traced)`` (a block's sum) of every full block, in plain JAX."""
@@ -376,12 +365,6 @@ class Looped:
         del split  # every looped block is masked
         return functools.partial(_looped_chunk, self, program, kernel, blocks, wrt, in_axes)
 
-    def call(self, fn, program, resident, chunk, evaluation):
-        """As :meth:`Batched.call`: the resident data from the chunk's first block on."""
-        a, b = chunk.first, chunk.first + chunk.count
-        return fn(resident.everything(), evaluation.blocks(a, b), evaluation.shared,
-                  program.valid[a:b], np.int32(a - resident.first), np.int32(chunk.count))
-
     def sum_blocks(self, one, resident_blocks, traced_blocks):
         """As :meth:`Batched.sum_blocks`, one block after another (``fn`` cannot be
         batched, or is a loop)."""
@@ -413,4 +396,4 @@ def _looped_chunk(layout, program, kernel, blocks, wrt, in_axes, prepared, trace
 BATCHED, LOOPED = Batched(), Looped()
 
 #: The layout of each :attr:`.spec.SiteSpec.form`.
-LAYOUTS = {"batched": BATCHED, "looped": LOOPED}
+LAYOUTS: dict[str, Batched | Looped] = {"batched": BATCHED, "looped": LOOPED}

@@ -151,7 +151,7 @@ def reduce_sum(fn: Callable[..., ArrayLike], data: Any, *shared: Any,
     if route.eager_program and not any(map(is_tracer, (*traced, *shared_leaves))):
         # Called eagerly (NumPyro's initialisation runs the model so): one compiled program,
         # not an operation at a time.
-        return state.eager_call((grainsize, "value"), lambda: site_value(route, None))(*args)
+        return route.eager("value", lambda: site_value(route, None))(*args)
     return site_value(route, functools.partial(blocked_sum, state.spec, resident))(*args)
 
 

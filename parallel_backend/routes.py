@@ -149,6 +149,11 @@ class Route:
         once)."""
         return self
 
+    def eager(self, key, make, **jit_options):
+        """``make()`` compiled as one program for this route's eager calls, made once per
+        ``key`` and kept by the site (:meth:`.site.SiteState.eager_call`)."""
+        return self.state.eager_call((self.name, key), make, **jit_options)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.state.spec.label})"
 
@@ -215,17 +220,19 @@ class GraphRoute(Route):
                                                           wrt.shared, ax), axes)(traced, shared))
 
     def products(self, traced, shared, choice, wrt, tangents):
-        state = self.state
-        if (not any(map(is_tracer, (*traced, *shared))) and not accelerator()
-                and self.executor.has_host_path(state)):
-            # Eager (NumPyro's first gradient, an eager ``jax.hessian``): the products are
-            # staged and run op by op, and a ``cond`` bound so compiles its branches anew at
-            # each call (1.4 s for the demo's 200,000 rows). The host route's callback
-            # compiles nothing and answers a product along zero without a chunk; its
-            # chunks are the same block programs: the same bits.
-            return HostRoute(self.executor, state, None).products(traced, shared, choice, wrt,
-                                                                 tangents)
-        evaluate = functools.partial(_products_in_graph, state, wrt, len(traced), len(shared))
+        if any(map(is_tracer, (*traced, *shared, *tangents[0], *tangents[1]))):
+            return self._products(wrt, traced, shared, tangents)
+        # Eager (an eager ``jax.hessian``, NumPyro's first gradient of a per-row site):
+        # one compiled program, made once. Run op by op, the ``cond`` that answers a
+        # product along zero compiled its branches anew at each call (1.4 s for the
+        # demo's 200,000 rows).
+        program = self.eager(("products", wrt, self.counter is not None),
+                             lambda: functools.partial(self._products, wrt))
+        return program(traced, shared, tangents)
+
+    def _products(self, wrt, traced, shared, tangents):
+        evaluate = functools.partial(_products_in_graph, self.state, wrt, len(traced),
+                                     len(shared))
         return self.count(tangent_batching(evaluate)((*traced, *tangents[0]),
                                                      (*shared, *tangents[1])))
 
@@ -262,6 +269,10 @@ class HostRoute(Route):
     @classmethod
     def for_site(cls, executor, state, grainsize) -> HostRoute:
         return cls(executor, state, grainsize)
+
+    def eager(self, key, make, **jit_options):
+        """As :meth:`Route.eager`, per chunk size (``grainsize``)."""
+        return super().eager((self.grainsize, key), make, **jit_options)
 
     def partials(self, traced, shared, choice, wrt, tangents=((), ())):
         return host_path.partials(self.state, self.executor, self.grainsize, traced, shared,

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from .blocks import tree_sum
 from .errors import ChunkError
@@ -311,8 +312,8 @@ def run_chunk(program, resident, chunk, evaluation: Evaluation) -> ChunkResult:
 
 
 def _call(program, resident, chunk, ev: Evaluation):
-    """The chunk's partials: one call of its compiled program, as the site's layout calls
-    it (:meth:`.kernels.Batched.call`)."""
+    """The chunk's partials: one call of its compiled program, its arrays passed as the
+    site's form takes them (:data:`CHUNK_CALLS`)."""
     b = chunk.first + chunk.count
     split = b == len(program.valid) and program.split_tail
     fn = program.cache.get(program_key(chunk.count, ev.diff_traced, ev.diff_shared,
@@ -320,4 +321,28 @@ def _call(program, resident, chunk, ev: Evaluation):
     if fn is None:
         fn = program.compiled(chunk.count, ev.diff_traced, ev.diff_shared, ev.in_axes,
                               b == len(program.valid), ev.order)
-    return program.layout.call(fn, program, resident, chunk, ev)
+    return CHUNK_CALLS[program.spec.form](fn, program, resident, chunk, ev)
+
+
+def _batched_call(fn, program, resident, chunk, ev: Evaluation):
+    """A batched chunk program (:meth:`.kernels.Batched.chunk_program`) on the chunk's
+    blocks, the padded last block apart where the site's tiles say so."""
+    a, b = chunk.first, chunk.first + chunk.count
+    if b == len(program.valid) and program.split_tail:
+        tail = (resident.view(b - 1, b), ev.blocks(b - 1, b), program.valid[b - 1:b])
+        return fn(resident.view(a, b - 1), ev.blocks(a, b - 1), ev.shared,
+                  program.valid[a:b - 1], tail)
+    return fn(resident.view(a, b), ev.blocks(a, b), ev.shared, program.valid[a:b])
+
+
+def _looped_call(fn, program, resident, chunk, ev: Evaluation):
+    """A looped chunk program (:meth:`.kernels.Looped.chunk_program`): the resident data
+    from the chunk's first block on."""
+    a, b = chunk.first, chunk.first + chunk.count
+    return fn(resident.everything(), ev.blocks(a, b), ev.shared, program.valid[a:b],
+              np.int32(a - resident.first), np.int32(chunk.count))
+
+
+#: How the compiled chunk program of each form (:attr:`.spec.SiteSpec.form`) takes its
+#: arrays.
+CHUNK_CALLS = {"batched": _batched_call, "looped": _looped_call}

@@ -41,6 +41,7 @@ from parallel_backend.extend import (
     GraphRoute,
     HostRoute,
     Resident,
+    Route,
     RowsBefore,
     Task,
     Wrt,
@@ -179,7 +180,7 @@ class DeviceExecutor(Executor):
     def workers(self) -> int:
         return len(self._devices)
 
-    def decide(self, state: SiteState) -> type[GraphRoute | HostRoute]:
+    def decide(self, state: SiteState) -> type[Route]:
         """As :meth:`Executor.decide`; the graph (in place) inside ``pmap``."""
         if _in_place():
             return GraphRoute

@@ -67,7 +67,7 @@ class Tuner:
 
     # -- what the next segment is ---------------------------------------------------------
 
-    def next(self, lo: int, stop: int) -> tuple[int, np.ndarray, str | None]:
+    def next(self, lo: int, stop: int) -> tuple[int, np.ndarray, type | None]:
         """``(hi, choices, timed route or None)`` of the segment from ``lo`` (at most to
         ``stop``, the next checkpoint or the end)."""
         if self.choices is None:  # the first segment compiles: one transition

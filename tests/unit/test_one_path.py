@@ -1,5 +1,5 @@
 """One host-path gradient evaluation, after warm-up, takes one short path through the
-package: at most five of its modules, and never back into a module that is waiting on
+package: at most six of its modules, and never back into a module that is waiting on
 another (A -> B -> A), on the calling thread or on the executor's workers.
 
 Recorded with ``sys.monitoring`` (Python 3.12+), which sees every thread, also the one
@@ -83,7 +83,7 @@ def loglik(x, mu, sigma):
 @pytest.mark.parametrize("make", [lambda: pb.ThreadExecutor(2, dispatch="host"),
                                   lambda: pb.SerialExecutor(dispatch="host")],
                          ids=["thread", "serial-host"])
-def test_one_evaluation_enters_five_modules_and_never_comes_back(make):
+def test_one_evaluation_enters_six_modules_and_never_comes_back(make):
     x = np.random.default_rng(0).normal(size=40_000).astype(np.float32)
     with make() as ex:
         f = jax.jit(jax.value_and_grad(
@@ -95,7 +95,7 @@ def test_one_evaluation_enters_five_modules_and_never_comes_back(make):
         assert ex.stats()["host_calls"] == 7
     modules = {m for per in entries.values() for m, _, _ in per}
     assert "parallel_backend/host.py" in modules and "parallel_backend/tasks.py" in modules
-    assert len(modules) <= 5, sorted(modules)
+    assert len(modules) <= 6, sorted(modules)
     for thread, per in entries.items():
         for m, name, below in per:
             # Entering a module again while another one is between (A -> B -> A).

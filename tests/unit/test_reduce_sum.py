@@ -106,7 +106,7 @@ def test_eager_calls_compile_once_and_match_jit(assert_identical, dispatch):
         eager = [split(m) for m in mus]
         eager_vg = [jax.value_and_grad(split)(m) for m in mus]
         (state,) = ex.sites()
-        assert sorted(state.eager) == ([(None, "grad"), (None, "value")]
+        assert sorted(state.eager) == ([("host", (None, "grad")), ("host", (None, "value"))]
                                        if dispatch == "host" else [])
         programs = list(state.eager.values())
         jitted, jitted_vg = jax.jit(split), jax.jit(jax.value_and_grad(split))
