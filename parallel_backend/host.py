@@ -103,6 +103,7 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
     (``state.host``), so an evaluation reads them without calling into the site.
     """
     executor.check_open()
+    entered = time.time()
     args = (traced, shared)  # as they crossed the callback
     parts = state.host or state.prepare_host()
     program, resident = parts
@@ -149,7 +150,9 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
                        seconds_in_workers=busy,
                        bytes_sent=executor.bytes_per_call(*args, len(results)),
                        bytes_received=executor.bytes_per_result(*out))
-    return _restore_batch(out, flat_batch, batch_shape)
+    out = _restore_batch(out, flat_batch, batch_shape)
+    executor.timeline.record(state.label, entered, time.time(), results, executor.workers)
+    return out
 
 
 def _tangents(evaluation) -> tuple:

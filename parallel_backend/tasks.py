@@ -13,6 +13,7 @@ This module imports jax, numpy, :mod:`.blocks` and :mod:`.errors` only.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -140,6 +141,10 @@ class ChunkResult(NamedTuple):
         Each ``(*batch, blocks, block_rows, *row_shape)``.
     seconds : float
         Time the task computed.
+    started : float
+        When it started (``time.time()`` where it ran).
+    worker : str
+        Where it ran: ``"process/thread"``, or a dask worker's address.
     """
 
     chunk: Any
@@ -147,6 +152,8 @@ class ChunkResult(NamedTuple):
     shared_grads: tuple
     data_grads: tuple
     seconds: float
+    started: float = 0.0
+    worker: str = ""
 
 
 class Task(NamedTuple):
@@ -295,14 +302,14 @@ def run_task(task: Task) -> ChunkResult:
         # The same precision and device on every thread, so every thread hits the same
         # compiled function (a pure_callback's thread has a default device set).
         with jax.enable_x64(spec.x64), jax.default_device(resident.device):
-            t0 = time.perf_counter()  # after the gate: the chunker wants compute time
+            started, t0 = time.time(), time.perf_counter()  # after the gate: compute time
             with resident.in_use():
                 out = jax.device_get(_call(program, resident, chunk, ev))
             seconds = time.perf_counter() - t0
     except Exception as e:
         raise ChunkError.wrap(e, spec.rows(chunk.first, chunk.count), spec.label) from e
     return ChunkResult(chunk, out.values, tuple(out.shared_grads), tuple(out.data_grads),
-                       seconds)
+                       seconds, started, f"{os.getpid()}/{threading.current_thread().name}")
 
 
 def run_chunk(program, resident, chunk, evaluation: Evaluation) -> ChunkResult:

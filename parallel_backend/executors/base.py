@@ -30,6 +30,7 @@ from ..kernels import Wrt, kernel_for
 from ..routes import GraphCounter
 from ..site import SiteCache, SiteState
 from ..tasks import run_task
+from ..timeline import Timeline
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
@@ -186,6 +187,8 @@ class Executor:
         self._states = SiteCache(on_forget=self._retire)
         self._closed = False
         self._runner: TaskPool | None = None  # the thread pool of run_tasks (task_pool)
+        #: The last host evaluations, chunk by chunk (``stats(timeline=True)``).
+        self.timeline = Timeline()
         self._created = time.time()
         self._counts: dict[str, float] = {
             "calls": 0, "graph_calls": 0, "host_calls": 0, "chunks": 0, "rows": 0,
@@ -397,8 +400,17 @@ class Executor:
                     out[k] = out.get(k, 0) + v
         return out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, timeline: bool = False) -> dict[str, Any]:
         """What this executor did since it was made.
+
+        Parameters
+        ----------
+        timeline : bool
+            Also ``timeline``: the last host evaluations (at most
+            :data:`~parallel_backend.timeline.KEEP`), each a dict with the site, its
+            start (seconds since the epoch), ``seconds``, ``workers`` and its
+            ``chunks`` (``worker``, ``first_block``, ``blocks``, ``start`` and ``end``
+            in seconds from the evaluation's start).
 
         Returns
         -------
@@ -425,6 +437,8 @@ class Executor:
         out["counting"] = "all" if self.count_calls else "host, and the graph inside pb.sample"
         out["sites"] = [site_stats(s) for s in self.sites()]
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
+        if timeline:
+            out["timeline"] = [span.as_dict() for span in self.timeline.last()]
         return out
 
     @property

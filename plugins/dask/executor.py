@@ -372,7 +372,7 @@ class DaskExecutor(Executor):
                     raise out
                 else:
                     results, wall = out
-                    done.update(zip(group, results))
+                    done.update(zip(group, (r._replace(worker=addr) for r in results)))
                     layout.observe(shards, addr, alive.get(addr, 1), group, results, wall)
             pending = [t for t in tasks if t not in done]
             if not pending:
@@ -486,8 +486,9 @@ class DaskExecutor(Executor):
 
     # -- reporting and shutdown ----------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """As :meth:`Executor.stats <parallel_backend.Executor.stats>`, plus
+    def stats(self, timeline: bool = False) -> dict[str, Any]:
+        """As :meth:`Executor.stats <parallel_backend.Executor.stats>` (a chunk's
+        ``worker`` in the timeline is its dask worker's address), plus
         ``worker_failures``, ``data_bytes_sent`` (data installed on workers, included
         in ``bytes_sent``), ``replacements`` (times data was moved to weigh the workers),
         ``blocks_per_worker`` (address -> blocks it holds, over the sites cached now),
@@ -497,7 +498,7 @@ class DaskExecutor(Executor):
         workers messaged), ``message_seconds`` (route -> median seconds a message cost
         beyond the workers' compute, over the last 64: what the route adds to each
         evaluation), ``scheduler`` and ``dashboard``."""
-        out = super().stats()
+        out = super().stats(timeline)
         out["transport"] = self._routes.summary()
         out["routes"] = self._routes.routes()
         out["message_seconds"] = self._routes.cost()

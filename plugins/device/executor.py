@@ -443,7 +443,7 @@ class DeviceExecutor(Executor):
             out["bytes_sent"] = (info.replicated * info.devices + info.split) * batches
         return out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, timeline: bool = False) -> dict[str, Any]:
         """What this executor did since it was made.
 
         Returns
@@ -460,7 +460,7 @@ class DeviceExecutor(Executor):
             ``seconds_in_workers`` does not grow: the devices run inside the
             caller's program, where nothing times them.
         """
-        out = super().stats()
+        out = super().stats(timeline)
         for entry, state in zip(out["sites"], self.sites()):
             if self._mapped(state):
                 lay = self.layout(state)

@@ -40,6 +40,7 @@ from numpyro.primitives import Messenger
 
 import parallel_backend as pb
 from parallel_backend.extend import cpu_count, row_bytes
+from parallel_backend.timeline import LOSSES, losses
 
 from .display import Bar
 from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
@@ -197,6 +198,9 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1, bar=
     site_info = _site_info(sites, [ex for _, ex in variants[1:]])
     samples = {row.executor: list(t) for row, t in zip(rows, timed.times)}
     recommendation, best = _recommend(rows, site_info, samples)
+    # The last host evaluations of each executor, chunk by chunk (from the timed rounds).
+    timelines = {row.executor: ex.timeline.last() for row, (_, ex) in zip(rows[1:], variants[1:])
+                 if ex.timeline.last()}
     in_nuts = None
     if nuts and best is not None:
         ex = variants[rows.index(best)][1]
@@ -209,7 +213,8 @@ def _profile(model, model_args, model_kwargs, targets, nuts=True, chains=1, bar=
         step(f"NUTS on {best.executor}")
         in_nuts = {"plain NumPyro": plain, best.executor: on_ex}
         recommendation, best = _check_in_nuts(recommendation, best, plain, on_ex)
-    return ProfileReport(rows, site_info, recommendation, best, samples, in_nuts, chains)
+    return ProfileReport(rows, site_info, recommendation, best, samples, in_nuts, chains,
+                         timelines)
 
 
 def _check_in_nuts(recommendation, best, plain, on_ex):
@@ -301,8 +306,15 @@ def _recommend(rows, sites, samples):
     else:
         grain = "the model's grainsize (" + ", ".join(str(g) for g in sorted(
             grains, key=lambda g: (g is None, g or 0))) + ")"
-    return (f"use {best.executor} with {grain}: {best.speedup:.2f}x faster than plain "
-            "NumPyro per gradient evaluation"), best
+    text = (f"use {best.executor} with {grain}: {best.speedup:.2f}x faster than plain "
+            "NumPyro per gradient evaluation")
+    hosts = [r for r in candidates if r.dispatch == "host"]
+    if best.dispatch == "graph" and hosts:
+        # Where chunks on workers cannot beat the blocks in the caller's program, say so.
+        host = min(hosts, key=lambda r: r.seconds)
+        text += (f"; chunks on workers add nothing here ({host.executor}: "
+                 f"{host.speedup:.2f}x), so the site stays in the graph")
+    return text, best
 
 
 # -- the variants -----------------------------------------------------------------------
@@ -742,9 +754,16 @@ class ProfileReport:
         (milliseconds per gradient inside the sampler); ``None`` otherwise.
     chains : int
         Vectorized chains each evaluation carried (``profile(..., chains=)``).
+    timelines : dict
+        Per executor whose chunks ran on its workers (by ``executor`` label): its last
+        host evaluations (:class:`parallel_backend.timeline.EvaluationSpan`: when each
+        chunk started and ended, on which worker), from the timed rounds. See
+        :meth:`losses` and :meth:`plot_timeline`.
     """
 
-    def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None, chains=1):
+    def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None, chains=1,
+                 timelines=None):
+        self.timelines = dict(timelines or {})
         self.rows = list(rows)
         self.chains = chains
         self.nuts = nuts
@@ -761,6 +780,93 @@ class ProfileReport:
             raise ImportError('ProfileReport.to_dataframe needs pandas: '
                               'pip install "parallel-backend[plot]"') from e
         return pd.DataFrame([r._asdict() for r in self.rows])
+
+    def _row(self, executor: str | None) -> ProfileRow:
+        """The row of ``executor`` (a label), or the recommended one, or the fastest."""
+        if executor is not None:
+            for r in self.rows:
+                if r.executor == executor:
+                    return r
+            raise ValueError(f"ProfileReport: no executor {executor!r}; profiled: "
+                             f"{[r.executor for r in self.rows]}")
+        candidates = [r for r in self.rows if r.kind != "plain"]
+        if not candidates:
+            raise ValueError("ProfileReport: no executor was profiled")
+        with_timeline = [r for r in candidates if r.executor in self.timelines]
+        if self.best is not None and (self.best in with_timeline or not with_timeline):
+            return self.best
+        return min(with_timeline or candidates, key=lambda r: r.seconds)
+
+    def losses(self, executor: str | None = None) -> dict[str, float] | None:
+        """Where ``executor``'s workers' time went per gradient, as shares of
+        ``workers * seconds``: ``chunks`` (their own compute) and each of
+        :data:`parallel_backend.timeline.LOSSES` (dispatch, load imbalance, assembly,
+        idle workers, the caller's program around the callback), over its timed host
+        evaluations; ``None`` where its chunks did not run on workers (the graph).
+        ``executor``: a row's label (default: the recommended one, else the fastest
+        with chunks on workers)."""
+        row = self._row(executor)
+        spans = self.timelines.get(row.executor)
+        if not spans:
+            return None
+        # The caller's program is known where one site makes each gradient.
+        per = row.seconds if len(self.sites) == 1 and self.chains == 1 else None
+        total = dict.fromkeys(("chunks", *LOSSES), 0.0)
+        for span in spans:
+            for k, v in losses(span, per).items():
+                total[k] += v
+        capacity = sum(total.values())
+        return {k: v / capacity for k, v in total.items()} if capacity > 0 else None
+
+    def plot_timeline(self, executor: str | None = None, ax: Axes | None = None) -> Axes:
+        """One gradient evaluation of ``executor`` (default as in :meth:`losses`) as a
+        timeline: a row per worker with its chunks as bars (the gaps are idle time), the
+        host callback's span, and the caller's own program after it (to the measured
+        seconds per gradient); a graph-route evaluation is one bar. The title names
+        the largest loss. Returns the axes (needs matplotlib)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError('ProfileReport.plot_timeline needs matplotlib: '
+                              'pip install "parallel-backend[plot]"') from e
+        row = self._row(executor)
+        spans = self.timelines.get(row.executor)
+        ms = 1e3
+        if not spans:
+            if ax is None:
+                _, ax = plt.subplots(figsize=(8, 1.6))
+            ax.barh(["XLA program"], [row.seconds * ms], left=0, color="tab:gray")
+            ax.set_xlabel("ms")
+            ax.set_title(f"{row.executor}: every block inside the caller's program "
+                         f"(one evaluation, {row.seconds * ms:.2f} ms)", fontsize=9)
+            return ax
+        span = spans[-1]
+        workers = sorted({c.worker for c in span.chunks})
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 0.45 * (len(workers) + 2) + 1.2))
+        labels = ["callback"] + [_worker_label(w) for w in workers]
+        ax.barh(labels[0], span.wall * ms, left=0, color="tab:gray")
+        if row.seconds > span.wall:
+            ax.barh(labels[0], (row.seconds - span.wall) * ms, left=span.wall * ms,
+                    color="white", edgecolor="tab:gray", hatch="//",
+                    label="the caller's program")
+        for label, worker in zip(labels[1:], workers):
+            for c in span.chunks:
+                if c.worker == worker:
+                    ax.barh(label, (c.end - c.start) * ms, left=(c.start - span.start) * ms,
+                            color="tab:blue", edgecolor="white")
+                    ax.text((c.start - span.start + (c.end - c.start) / 2) * ms, label,
+                            f"{c.first}+{c.blocks}", ha="center", va="center", fontsize=7,
+                            color="white")
+        ax.invert_yaxis()
+        ax.set_xlabel("ms from the callback's start (blocks as first+count)")
+        share = self.losses(row.executor) or {}
+        worst = max(LOSSES, key=lambda k: share.get(k, 0.0))
+        ax.set_title(f"{row.executor}: chunks {share.get('chunks', 0):.0%} of "
+                     f"{span.workers} workers' time; largest loss: {worst} "
+                     f"({share.get(worst, 0):.0%})", fontsize=9)
+        ax.figure.tight_layout()
+        return ax
 
     def plot(self, ax: Axes | None = None) -> Axes:
         """A bar chart of speedup over plain NumPyro per variant; returns the axes."""
@@ -805,10 +911,29 @@ class ProfileReport:
                 for label, t in self.nuts.items()) + ")"]
         what = ("one value-and-gradient evaluation" if self.chains == 1 else
                 f"one value-and-gradient evaluation of {self.chains} vectorized chains")
-        return "\n".join([f"pb.profile: {what} ({sites})", *lines,
+        where = []
+        if self.timelines:
+            row = self._row(None)
+            share = self.losses(row.executor)
+            if share is not None:
+                worst = max(LOSSES, key=lambda k: share[k])
+                where = [(f"where {row.executor}'s workers' time went: chunks "
+                          f"{share['chunks']:.0%}, largest loss {worst} {share[worst]:.0%} "
+                          f"(report.losses(), report.plot_timeline())")]
+        return "\n".join([f"pb.profile: {what} ({sites})", *lines, *where,
                           *nuts, f"recommendation: {self.recommendation}"])
 
     __str__ = __repr__
+
+
+def _worker_label(worker: str) -> str:
+    """A timeline row's name: a thread of the pool (``"thread 0"``) or a dask worker's
+    address as it is."""
+    name = worker.split("/")[-1]
+    for prefix in ("parallel_backend-tasks-", "parallel_backend-"):
+        if name.startswith(prefix):
+            return "thread " + name[len(prefix):]
+    return worker if worker.startswith(("tcp://", "tls://", "inproc://")) else name
 
 
 def _fmt(x, spec):

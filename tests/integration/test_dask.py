@@ -133,6 +133,26 @@ def test_bytes_per_call_are_parameters_not_data(dask_host, make_problem, x64):
     assert s2["data_bytes_sent"] == s0["data_bytes_sent"]
 
 
+def test_timeline_names_the_dask_workers_that_ran_each_chunk(client, dask_host,
+                                                            make_problem, x64):
+    """``stats(timeline=True)``: each evaluation's chunks cover every block once, each
+    named by the address of the dask worker that ran it, within the evaluation's span."""
+    prob = make_problem("logistic", n=20_000)
+    f = jax.jit(jax.value_and_grad(prob.split(dask_host, block_rows=1000), argnums=1))
+    for _ in range(3):
+        jax.block_until_ready(f(*prob.args))
+    timeline = dask_host.stats(timeline=True)["timeline"]
+    assert len(timeline) == 3
+    for entry in timeline:
+        covered = sorted(b for c in entry["chunks"]
+                         for b in range(c["first_block"], c["first_block"] + c["blocks"]))
+        assert covered == list(range(20))
+        assert {c["worker"] for c in entry["chunks"]} <= set(client.nthreads())
+        # clocks of processes on one machine: each chunk within the evaluation
+        assert all(-0.05 <= c["start"] <= c["end"] <= entry["seconds"] + 0.05
+                   for c in entry["chunks"])
+
+
 def test_transports_give_the_same_bits_and_bytes(client, make_problem, x64, assert_identical):
     """The same evaluations straight to the workers and relayed by the scheduler: the same
     bits, the same bytes per call, the data sent once each; ``"auto"`` finds that this

@@ -139,6 +139,25 @@ def test_recommendation_needs_the_margin_in_the_fastest_round_too():
     assert best is None and text.startswith("stay with plain NumPyro"), text
 
 
+def test_where_chunks_on_workers_cannot_add_the_report_says_so():
+    """The blocks in the caller's program win and the threads' chunks do not: the
+    recommendation keeps the site in the graph and says why, naming the threads' speed."""
+    graph = profile_module.ProfileRow("SerialExecutor()", "serial", 1, "graph", 0.004, 2.5,
+                                      None, None, (1000,), True)
+    host = _row("ThreadExecutor(2, dispatch='host')", 0.006, 0.01)
+    rows = [_plain_row(0.01), graph, host]
+    sites = [{"name": "y", "rows": 1000, "block_rows": 100, "grainsize": None}]
+    text, best = profile_module._recommend(rows, sites, _samples(rows))
+    assert best is graph
+    assert text.endswith("chunks on workers add nothing here (ThreadExecutor(2, "
+                         "dispatch='host'): 1.67x), so the site stays in the graph"), text
+    # where the chunks win, nothing of the kind
+    text, best = profile_module._recommend([_plain_row(0.01), graph, _row("T", 0.003, 0.01)],
+                                           sites, _samples([_plain_row(0.01), graph,
+                                                            _row("T", 0.003, 0.01)]))
+    assert best.executor == "T" and "stays in the graph" not in text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("executor", [None, "serial"])
 def test_short_nuts_run_times_gradients_inside_the_sampler(executor):
@@ -324,3 +343,48 @@ def test_device_map_is_profiled_when_several_devices_exist(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=300, env=env, check=False)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def scan_loglik(rows, a):
+    def step(c, x):
+        c = jnp.tanh(a * c + x)
+        return c, c * x
+
+    _, ys = jax.lax.scan(step, jnp.zeros(rows.shape[0], rows.dtype), rows.T)
+    return jnp.sum(ys, axis=0)
+
+
+def scan_model(x):
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    pb.factor("x", scan_loglik, x, a)
+
+
+def test_timeline_of_the_workers_and_its_plot():
+    """The report keeps the host evaluations of an executor whose chunks ran on workers,
+    splits their time into chunks and losses (adding up to one), names the largest, and
+    draws one evaluation: a row per worker with its chunks, and the callback; the graph
+    route is one bar."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4_000, 20)), jnp.float32)
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        report = pb.profile(scan_model, x, executors=[pb.SerialExecutor(), ex], nuts=False,
+                            progress_bar=False)
+    threads = report.rows[2].executor
+    assert list(report.timelines) == [threads]  # the graph route has none
+    share = report.losses(threads)
+    assert set(share) == {"chunks", *profile_module.LOSSES}
+    assert sum(share.values()) == pytest.approx(1.0) and 0 < share["chunks"] <= 1
+    assert report.losses(report.rows[1].executor) is None
+    assert f"where {threads}'s workers' time went" in repr(report)
+    ax = report.plot_timeline(threads)
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert rows[0] == "callback" and set(rows[1:]) <= {"thread 0", "thread 1"}
+    span = report.timelines[threads][-1]
+    bars = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:blue")]
+    assert len(bars) == len(span.chunks)
+    assert "largest loss" in ax.get_title()
+    graph = report.plot_timeline(report.rows[1].executor)
+    assert [t.get_text() for t in graph.get_yticklabels()] == ["XLA program"]
+    with pytest.raises(ValueError, match="no executor 'nope'"):
+        report.losses("nope")

@@ -184,3 +184,25 @@ def test_warm_up_waits_for_the_chunker_and_rounds_stretch_to_the_budget():
     slow = time_interleaved([lambda x: x], (1.0,), rounds=2, max_rounds=500, budget=1e-4)
     assert 2 < len(slow[0]) <= 500 and (sum(slow[0]) >= 1e-4 or len(slow[0]) == 500)
 
+
+
+@pytest.mark.slow
+def test_ceiling_times_two_halves_together_and_draws_the_timeline(tmp_path):
+    """``python -m benchmarks.ceiling``: one record per variant and the ceiling (two
+    processes, each half the rows), ratios to plain of the same run, and the timeline
+    of the threads' last evaluation as a PNG."""
+    out, png = tmp_path / "ceiling.jsonl", tmp_path / "timeline.png"
+    cmd = [sys.executable, "-m", "benchmarks.ceiling", "--likelihoods", "hmm:400",
+           "--rounds", "1", "--out", str(out), "--timeline", str(png)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "threads / ceiling" in done.stdout
+    with open(out, encoding="utf-8") as fh:
+        recs = [json.loads(line) for line in fh]
+    assert [r["variant"] for r in recs] == ["plain", "serial", "thread", "thread_host",
+                                            "ceiling"]
+    plain = recs[0]["seconds"]
+    assert all(r["bench"] == "ceiling" and r["ratio"] == pytest.approx(plain / r["seconds"])
+               for r in recs)
+    assert png.stat().st_size > 1000

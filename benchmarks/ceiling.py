@@ -1,0 +1,198 @@
+"""What two cores can do with a site's blocks: the measured ceiling of a host evaluation.
+
+``python -m benchmarks.ceiling --likelihoods hmm:10000,hmm:50000 --dtype float32``
+
+Per likelihood, in one run: plain NumPyro, ``SerialExecutor()`` (every block on one
+thread, in the graph), ``ThreadExecutor()`` (its default route) and
+``ThreadExecutor(dispatch="host")``, timed in interleaved rounds as ``benchmarks
+gradients`` times them (value and gradient, parameters traced, every output used, in a
+compiled loop); then the **ceiling**: two processes at once, each evaluating half of the
+rows with ``SerialExecutor()`` in the whole site's blocks (the blocks the threads run),
+started together after both compiled.
+Their slower median is what two cores give these blocks on this machine, the memory bus
+and the cores' shared caches included; ``2 x Serial`` assumes they cost nothing. Prints
+per gradient the ratio to plain of each, and the threads' share of the ceiling and of
+``2 x Serial``; ``--out FILE`` appends records (``bench: "ceiling"``) to ``FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _problem(model: str, rows: int, dtype: str, half: int | None = None):
+    """``(fn, data, params)`` of the catalogue's ``model`` (rows ``[0, rows/2)`` or the
+    rest for ``half`` 0 or 1)."""
+    from .likelihoods import MAKERS
+
+    fn, data, params = MAKERS[model](rows, np.dtype(dtype))
+    if half is not None:
+        cut = rows // 2
+        data = data[:cut] if half == 0 else data[cut:]
+    return fn, data, params
+
+
+def _gradient(fn, data, executor, block_rows=None):
+    import jax
+
+    import parallel_backend as pb
+    from parallel_backend.routes import LOOP, in_a_loop
+
+    if executor is None:
+        def total(*params):
+            return fn(data, *params).sum()
+    else:
+        def total(*params):
+            return pb.reduce_sum(fn, data, *params, executor=executor, block_rows=block_rows)
+    return in_a_loop(jax.value_and_grad(total, argnums=tuple(range(3))), LOOP)
+
+
+def child(spec: dict) -> None:
+    """One half of the rows on ``SerialExecutor()``: compiled, then timed once the parent
+    says go (both halves at once); prints the seconds per evaluation of each round."""
+    import jax
+
+    import parallel_backend as pb
+    from parallel_backend.plugins.numpyro.profile import warm_up
+    from parallel_backend.routes import LOOP
+
+    jax.config.update("jax_enable_x64", spec["dtype"] == "float64")
+    fn, data, params = _problem(spec["model"], spec["rows"], spec["dtype"], spec["half"])
+    with pb.SerialExecutor() as ex:
+        f = _gradient(fn, data, ex, spec["block_rows"])  # the whole site's blocks
+        warm_up(f, params, ex, calls=3)
+        open(spec["ready"], "w").close()
+        while not os.path.exists(spec["go"]):
+            time.sleep(0.005)
+        out = []
+        for _ in range(spec["rounds"]):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*params))
+            out.append((time.perf_counter() - t0) / LOOP)
+    print(json.dumps(out), flush=True)
+
+
+def ceiling(model: str, rows: int, dtype: str, rounds: int, block_rows: int) -> float:
+    """The slower of two processes' medians, each on half the rows in blocks of
+    ``block_rows`` (the whole site's), timed together."""
+    with tempfile.TemporaryDirectory() as tmp:
+        go = os.path.join(tmp, "go")
+        procs, ready = [], []
+        for half in (0, 1):
+            ready.append(os.path.join(tmp, f"ready{half}"))
+            spec = {"model": model, "rows": rows, "dtype": dtype, "half": half,
+                    "rounds": rounds, "ready": ready[-1], "go": go, "block_rows": block_rows}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.ceiling", "--child", json.dumps(spec)],
+                cwd=ROOT, stdout=subprocess.PIPE, text=True))
+        deadline = time.time() + 600
+        while not all(os.path.exists(r) for r in ready):
+            if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("ceiling: a half did not compile")
+            time.sleep(0.01)
+        open(go, "w").close()
+        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])
+                for p in procs]
+    return max(float(np.median(o)) for o in outs)
+
+
+def measure(model: str, rows: int, dtype: str, rounds: int) -> dict:
+    """Seconds per evaluation of every variant, and the ceiling."""
+    import jax
+
+    import parallel_backend as pb
+
+    from .gradients import time_variants
+
+    jax.config.update("jax_enable_x64", dtype == "float64")
+    fn, data, params = _problem(model, rows, dtype)
+    executors = {"serial": pb.SerialExecutor(), "thread": pb.ThreadExecutor(),
+                 "thread_host": pb.ThreadExecutor(dispatch="host")}
+    try:
+        variants = {"plain": (_gradient(fn, data, None), None)}
+        variants.update({k: (_gradient(fn, data, ex), ex) for k, ex in executors.items()})
+        from parallel_backend.routes import LOOP
+
+        seconds = time_variants(variants, params, rounds, LOOP)
+        block_rows = executors["serial"].stats()["sites"][0]["block_rows"]
+        spans = executors["thread"].timeline.last()
+    finally:
+        for ex in executors.values():
+            ex.close()
+    seconds["ceiling"] = ceiling(model, rows, dtype, rounds, block_rows)
+    return seconds, spans, block_rows
+
+
+def plot_timeline(path: str, label: str, seconds: dict, spans, rows: int, block_rows: int):
+    """``ThreadExecutor()``'s last evaluation drawn as ``pb.profile``'s report draws it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from parallel_backend.plugins.numpyro.profile import ProfileReport, ProfileRow
+
+    plain = seconds["plain"]
+    thread = ProfileRow(f"ThreadExecutor(), {label}", "thread", 2, "host", seconds["thread"],
+                        plain / seconds["thread"], None, None, (), True)
+    report = ProfileReport([ProfileRow("plain NumPyro", "plain", 1, "-", plain, 1.0, None,
+                                       None, (), None), thread],
+                           [{"name": label, "rows": rows, "block_rows": block_rows}], "", None,
+                           timelines={thread.executor: spans})
+    ax = report.plot_timeline(thread.executor)
+    ax.figure.savefig(path, dpi=90)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__)
+    ap.add_argument("--likelihoods", default="hmm:10000,hmm:50000",
+                    help="comma list of MODEL:ROWS (models of benchmarks/likelihoods.py)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", default=None, help="append the records (JSON lines) here")
+    ap.add_argument("--timeline", default=None,
+                    help="draw ThreadExecutor()'s last evaluation of the last likelihood "
+                         "into this PNG")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return
+    from . import records
+
+    env = records.environment()
+    out = []
+    for item in args.likelihoods.split(","):
+        model, rows = item.split(":")
+        s, spans, block_rows = measure(model, int(rows), args.dtype, args.rounds)
+        if args.timeline:
+            plot_timeline(args.timeline, f"{model} {int(rows):,} {args.dtype}", s, spans,
+                          int(rows), block_rows)
+        plain = s["plain"]
+        ratio = {k: plain / v for k, v in s.items()}
+        twice = 2 * ratio["serial"]
+        best = max(ratio["thread"], ratio["thread_host"])
+        print(f"{model} {int(rows):,} {args.dtype}: plain {plain * 1e3:.1f} ms; serial "
+              f"{ratio['serial']:.2f}x, thread {ratio['thread']:.2f}x, thread_host "
+              f"{ratio['thread_host']:.2f}x; ceiling (2 processes) {ratio['ceiling']:.2f}x, "
+              f"2 x serial {twice:.2f}x; threads / ceiling {best / ratio['ceiling']:.2f}, "
+              f"threads / (2 x serial) {best / twice:.2f}", flush=True)
+        for k, v in s.items():
+            out.append(records.record(env, "ceiling", model, int(rows), args.dtype, k, v,
+                                      plain, args.rounds, {"loop": 4}, {}))
+    if args.out:
+        records.write(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
