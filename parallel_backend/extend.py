@@ -79,12 +79,14 @@ from .tasks import (
     run_chunk,
     run_task,
 )
+from .timeline import LOSSES, ChunkSpan, EvaluationSpan, Timeline, losses
 
 __all__ = [
     "BATCHED",
     "GRAPH",
     "HOST",
     "LOOPED",
+    "LOSSES",
     "ROUTES",
     "STALL_TIMEOUT",
     "AdaptiveChunker",
@@ -93,7 +95,9 @@ __all__ = [
     "Chunk",
     "ChunkError",
     "ChunkResult",
+    "ChunkSpan",
     "Evaluation",
+    "EvaluationSpan",
     "EvaluationStalled",
     "Executor",
     "GraphRoute",
@@ -110,6 +114,7 @@ __all__ = [
     "Task",
     "TaskPool",
     "TilePlan",
+    "Timeline",
     "Wrt",
     "accelerator",
     "block_axis",
@@ -126,6 +131,7 @@ __all__ = [
     "host_device",
     "is_tracer",
     "kernel_for",
+    "losses",
     "pad_blocks",
     "pad_rows",
     "reduce_rows",

@@ -31,6 +31,7 @@ from .chunking import fixed_chunks
 from .errors import ChunkError
 from .kernels import Wrt, kernel_for
 from .tasks import Evaluation, Task
+from .timeline import ChunkSpan, EvaluationSpan
 
 __all__ = ["assemble", "callback", "evaluate", "partials", "unbatch"]
 
@@ -151,7 +152,11 @@ def evaluate(executor, state, grainsize, traced, shared, diff_traced, diff_share
                        bytes_sent=executor.bytes_per_call(*args, len(results)),
                        bytes_received=executor.bytes_per_result(*out))
     out = _restore_batch(out, flat_batch, batch_shape)
-    executor.timeline.record(state.label, entered, time.time(), results, executor.workers)
+    executor.timeline.append(EvaluationSpan(program.spec.label, entered, time.time(),
+                                            tuple(ChunkSpan(r.worker, r.chunk.first,
+                                                            r.chunk.count, r.started,
+                                                            r.started + r.seconds)
+                                                  for r in results)))
     return out
 
 

@@ -1,7 +1,8 @@
 """A gradient's timeline: when each chunk of a host evaluation ran, and on which worker.
 
 Every host evaluation (:func:`.host.evaluate`) leaves an :class:`EvaluationSpan` in its
-executor's :class:`Timeline`: when the callback started and ended and, per chunk, the
+executor's :class:`Timeline` (made there, so that an evaluation enters no module of its
+own for it): when the callback started and ended and, per chunk, the
 worker that ran it and when (``time.time()`` of the process that ran it: comparable on
 one machine; across machines only as far as their clocks agree). A timeline keeps the
 last few evaluations only (:data:`KEEP`), so a long run's memory does not grow;
@@ -18,7 +19,6 @@ known, the caller's program around the callback. Imports the standard library on
 from __future__ import annotations
 
 import collections
-import threading
 from typing import Any, NamedTuple
 
 __all__ = ["KEEP", "LOSSES", "ChunkSpan", "EvaluationSpan", "Timeline", "largest_loss",
@@ -44,14 +44,13 @@ class ChunkSpan(NamedTuple):
 
 
 class EvaluationSpan(NamedTuple):
-    """One host evaluation: the site, when its callback started and ended, its chunks,
-    and the workers the executor had."""
+    """One host evaluation: the site, when its callback started and ended, and its
+    chunks."""
 
     site: str
     start: float
     end: float
     chunks: tuple
-    workers: int
 
     @property
     def wall(self) -> float:
@@ -61,46 +60,35 @@ class EvaluationSpan(NamedTuple):
     def as_dict(self) -> dict[str, Any]:
         """Plain values, times relative to the callback's start."""
         return {"site": self.site, "start": self.start, "seconds": self.wall,
-                "workers": self.workers,
                 "chunks": [{"worker": c.worker, "first_block": c.first, "blocks": c.blocks,
                             "start": c.start - self.start, "end": c.end - self.start}
                            for c in self.chunks]}
 
 
-class Timeline:
-    """The last :data:`KEEP` evaluations of one executor (thread-safe)."""
+class Timeline(collections.deque):
+    """The last :data:`KEEP` evaluations of one executor, oldest first: a ``deque``, to
+    which :func:`.host.evaluate` appends an :class:`EvaluationSpan` per evaluation (an
+    append is atomic)."""
 
-    def __init__(self, keep: int = KEEP):
-        self._spans: collections.deque = collections.deque(maxlen=keep)
-        self._lock = threading.Lock()
-
-    def record(self, site: str, start: float, end: float, results, workers: int) -> None:
-        """Keep one evaluation: ``results`` are its :class:`.tasks.ChunkResult`."""
-        chunks = tuple(ChunkSpan(r.worker, r.chunk.first, r.chunk.count, r.started,
-                                 r.started + r.seconds) for r in results)
-        with self._lock:
-            self._spans.append(EvaluationSpan(site, start, end, chunks, workers))
+    def __init__(self, spans=(), keep: int = KEEP):
+        super().__init__(spans, maxlen=keep)
 
     def last(self, n: int | None = None) -> list[EvaluationSpan]:
         """The last ``n`` evaluations (all kept, by default), oldest first."""
-        with self._lock:
-            spans = list(self._spans)
+        spans = list(self)
         return spans if n is None else spans[-n:]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._spans.clear()
 
-
-def losses(span: EvaluationSpan, seconds_per_gradient: float | None = None) -> dict:
+def losses(span: EvaluationSpan, workers: int,
+           seconds_per_gradient: float | None = None) -> dict:
     """Where ``span``'s capacity went, in worker-seconds: ``chunks`` (their own compute)
     and each of :data:`LOSSES`; they add up to ``workers * wall`` (or ``workers *
     seconds_per_gradient`` where that is given: the whole gradient, the caller's program
-    around the callback included).
+    around the callback included). ``workers``: the executor's.
 
     >>> s = EvaluationSpan("f", 0.0, 1.0, (ChunkSpan("a", 0, 2, 0.1, 0.9),
-    ...                                    ChunkSpan("b", 2, 2, 0.1, 0.5)), 2)
-    >>> {k: round(v, 2) for k, v in losses(s, 1.25).items()}  # doctest: +NORMALIZE_WHITESPACE
+    ...                                    ChunkSpan("b", 2, 2, 0.1, 0.5)))
+    >>> {k: round(v, 2) for k, v in losses(s, 2, 1.25).items()}  # doctest: +NORMALIZE_WHITESPACE
     {'chunks': 1.2, 'dispatch': 0.2, 'load imbalance': 0.4, 'assembly': 0.2,
      'idle workers': 0.0, "caller's program": 0.5}
     """
@@ -109,7 +97,7 @@ def losses(span: EvaluationSpan, seconds_per_gradient: float | None = None) -> d
         by_worker.setdefault(c.worker, []).append(c)
     out = dict.fromkeys(("chunks", *LOSSES), 0.0)
     if not by_worker:  # nothing ran (a product along zero): all of it is overhead
-        out["assembly"] = span.workers * span.wall
+        out["assembly"] = workers * span.wall
     else:
         last_end = max(c.end for c in span.chunks)
         for chunks in by_worker.values():
@@ -119,17 +107,18 @@ def losses(span: EvaluationSpan, seconds_per_gradient: float | None = None) -> d
             out["dispatch"] += (first - span.start) + (end - first - busy)
             out["load imbalance"] += last_end - end
             out["assembly"] += span.end - last_end
-        out["idle workers"] = max(span.workers - len(by_worker), 0) * span.wall
+        out["idle workers"] = max(workers - len(by_worker), 0) * span.wall
     if seconds_per_gradient is not None:
-        out["caller's program"] = span.workers * max(seconds_per_gradient - span.wall, 0.0)
+        out["caller's program"] = workers * max(seconds_per_gradient - span.wall, 0.0)
     return out
 
 
-def largest_loss(spans, seconds_per_gradient: float | None = None) -> tuple[str, float]:
+def largest_loss(spans, workers: int,
+                 seconds_per_gradient: float | None = None) -> tuple[str, float]:
     """The largest of :data:`LOSSES` over ``spans`` and its share of their capacity."""
     total = dict.fromkeys(("chunks", *LOSSES), 0.0)
     for span in spans:
-        for k, v in losses(span, seconds_per_gradient).items():
+        for k, v in losses(span, workers, seconds_per_gradient).items():
             total[k] += v
     capacity = sum(total.values())
     name = max(LOSSES, key=lambda k: total[k])

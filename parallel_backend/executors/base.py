@@ -408,7 +408,8 @@ class Executor:
         timeline : bool
             Also ``timeline``: the last host evaluations (at most
             :data:`~parallel_backend.timeline.KEEP`), each a dict with the site, its
-            start (seconds since the epoch), ``seconds``, ``workers`` and its
+            start (seconds since the epoch), ``seconds``, ``workers`` (the executor's
+            now) and its
             ``chunks`` (``worker``, ``first_block``, ``blocks``, ``start`` and ``end``
             in seconds from the evaluation's start).
 
@@ -439,6 +440,8 @@ class Executor:
         out["chunk_rows"] = sorted({r for s in out["sites"] for r in s["chunk_rows"]})
         if timeline:
             out["timeline"] = [span.as_dict() for span in self.timeline.last()]
+            for entry in out["timeline"]:
+                entry["workers"] = out["workers"]
         return out
 
     @property

@@ -39,8 +39,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 
 import parallel_backend as pb
-from parallel_backend.extend import cpu_count, row_bytes
-from parallel_backend.timeline import LOSSES, losses
+from parallel_backend.extend import LOSSES, cpu_count, losses, row_bytes
 
 from .display import Bar
 from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
@@ -813,7 +812,7 @@ class ProfileReport:
         per = row.seconds if len(self.sites) == 1 and self.chains == 1 else None
         total = dict.fromkeys(("chunks", *LOSSES), 0.0)
         for span in spans:
-            for k, v in losses(span, per).items():
+            for k, v in losses(span, row.workers, per).items():
                 total[k] += v
         capacity = sum(total.values())
         return {k: v / capacity for k, v in total.items()} if capacity > 0 else None
@@ -855,17 +854,21 @@ class ProfileReport:
                 if c.worker == worker:
                     ax.barh(label, (c.end - c.start) * ms, left=(c.start - span.start) * ms,
                             color="tab:blue", edgecolor="white")
-                    ax.text((c.start - span.start + (c.end - c.start) / 2) * ms, label,
-                            f"{c.first}+{c.blocks}", ha="center", va="center", fontsize=7,
-                            color="white")
+                    ax.annotate(f"{c.first}+{c.blocks}",
+                                ((c.start - span.start + (c.end - c.start) / 2) * ms,
+                                 labels.index(label)), ha="center", va="center", fontsize=7,
+                                color="white")
         ax.invert_yaxis()
         ax.set_xlabel("ms from the callback's start (blocks as first+count)")
         share = self.losses(row.executor) or {}
         worst = max(LOSSES, key=lambda k: share.get(k, 0.0))
         ax.set_title(f"{row.executor}: chunks {share.get('chunks', 0):.0%} of "
-                     f"{span.workers} workers' time; largest loss: {worst} "
+                     f"{row.workers} workers' time; largest loss: {worst} "
                      f"({share.get(worst, 0):.0%})", fontsize=9)
-        ax.figure.tight_layout()
+        from matplotlib.figure import Figure
+
+        if isinstance(ax.figure, Figure):
+            ax.figure.tight_layout()
         return ax
 
     def plot(self, ax: Axes | None = None) -> Axes:

@@ -53,7 +53,7 @@ def test_every_block_once_per_evaluation_on_the_workers_that_ran_it():
         assert entry["workers"] == 2 and entry["seconds"] == pytest.approx(span.wall)
         assert [c["blocks"] for c in entry["chunks"]] == [c.blocks for c in span.chunks]
         assert all(0 <= c["start"] <= c["end"] <= entry["seconds"] for c in entry["chunks"])
-        parts = losses(span, span.wall * 1.5)
+        parts = losses(span, 2, span.wall * 1.5)
         # the parts add up to the workers' time over the whole gradient
         assert sum(parts.values()) == pytest.approx(2 * span.wall * 1.5)
         assert parts["caller's program"] == pytest.approx(2 * span.wall * 0.5)
@@ -67,35 +67,35 @@ def test_the_graph_route_leaves_no_timeline():
         assert ex.timeline.last() == [] and ex.stats(timeline=True)["timeline"] == []
 
 
-def span(*chunks, end=1.0, workers=2):
-    return EvaluationSpan("f", 0.0, end, tuple(ChunkSpan(*c) for c in chunks), workers)
+def span(*chunks, end=1.0):
+    return EvaluationSpan("f", 0.0, end, tuple(ChunkSpan(*c) for c in chunks))
 
 
 def test_losses_name_where_the_time_went():
     # one worker busy all along, the other done at half time: load imbalance
     imbalanced = span(("a", 0, 2, 0.0, 1.0), ("b", 2, 2, 0.0, 0.5))
-    assert losses(imbalanced)["load imbalance"] == pytest.approx(0.5)
-    assert largest_loss([imbalanced]) == ("load imbalance", pytest.approx(0.25))
+    assert losses(imbalanced, 2)["load imbalance"] == pytest.approx(0.5)
+    assert largest_loss([imbalanced], 2) == ("load imbalance", pytest.approx(0.25))
     # both start late (messages, a thread to wake): dispatch
     late = span(("a", 0, 2, 0.4, 1.0), ("b", 2, 2, 0.4, 1.0))
-    assert largest_loss([late])[0] == "dispatch"
+    assert largest_loss([late], 2)[0] == "dispatch"
     # both done early, the callback still busy: assembly
     assembling = span(("a", 0, 2, 0.0, 0.6), ("b", 2, 2, 0.0, 0.6))
-    assert largest_loss([assembling])[0] == "assembly"
+    assert largest_loss([assembling], 2)[0] == "assembly"
     # one worker never used
     alone = span(("a", 0, 4, 0.0, 1.0))
-    assert largest_loss([alone]) == ("idle workers", pytest.approx(0.5))
+    assert largest_loss([alone], 2) == ("idle workers", pytest.approx(0.5))
     # a gradient three times the callback: the caller's program
-    assert largest_loss([late], 3.0)[0] == "caller's program"
+    assert largest_loss([late], 2, 3.0)[0] == "caller's program"
     # a product along zero runs no chunk: all of it overhead
-    assert losses(span())["assembly"] == pytest.approx(2.0)
-    assert set(losses(alone)) == {"chunks", *LOSSES}
+    assert losses(span(), 2)["assembly"] == pytest.approx(2.0)
+    assert set(losses(alone, 2)) == {"chunks", *LOSSES}
 
 
 def test_a_timeline_keeps_the_last_evaluations():
     t = Timeline(keep=3)
     for i in range(5):
-        t.record(f"s{i}", float(i), i + 0.5, [], 2)
+        t.append(EvaluationSpan(f"s{i}", float(i), i + 0.5, ()))
     assert [s.site for s in t.last()] == ["s2", "s3", "s4"]
     assert [s.site for s in t.last(1)] == ["s4"]
     t.clear()
