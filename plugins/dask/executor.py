@@ -467,7 +467,11 @@ class DaskExecutor(Executor):
             raise _WorkerLeaving(reply.detail)
 
     async def _send(self, addr, function: bytes, args: bytes):
-        """The worker's :class:`~.protocol.Reply`; the bytes both ways are counted."""
+        """The worker's :class:`~.protocol.Reply`; the bytes both ways are counted. A
+        worker that left since this evaluation's round was planned (the scheduler's word
+        arrived meanwhile, on this event loop) is not messaged: it is leaving."""
+        if addr in self._live.departed:
+            raise _WorkerLeaving(f"{addr} left the cluster")
         self.count(bytes_sent=len(function) + len(args))
         raw = await self._routes.send(addr, function, args)
         self.count(bytes_received=len(raw))
