@@ -204,3 +204,15 @@ def loo_elpd(run, var_name: str) -> tuple[float, int]:
 
     out = az.loo(run, var_name=var_name, pointwise=True)
     return float(getattr(out, "elpd", getattr(out, "elpd_loo", float("nan")))), out.n_data_points
+
+
+def scan_loglik(rows, a):
+    """A ``scan`` over each row's values (rows ``(N, steps)``): the looped form, whose
+    blocks the host route runs as chunks on workers."""
+
+    def step(c, x):
+        c = jnp.tanh(a * c + x)
+        return c, c * x
+
+    _, ys = jax.lax.scan(step, jnp.zeros(rows.shape[0], rows.dtype), rows.T)
+    return jnp.sum(ys, axis=0)

@@ -16,6 +16,7 @@ import numpyro.distributions as dist
 import pytest
 
 import parallel_backend as pb
+from helpers import scan_loglik
 from parallel_backend.blocks import balance_blocks
 
 # The module, not the function of the same name that the package exports.
@@ -343,15 +344,6 @@ def test_device_map_is_profiled_when_several_devices_exist(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=300, env=env, check=False)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
-
-
-def scan_loglik(rows, a):
-    def step(c, x):
-        c = jnp.tanh(a * c + x)
-        return c, c * x
-
-    _, ys = jax.lax.scan(step, jnp.zeros(rows.shape[0], rows.dtype), rows.T)
-    return jnp.sum(ys, axis=0)
 
 
 def scan_model(x):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import parallel_backend as pb
+from helpers import scan_loglik
 from parallel_backend.timeline import (
     KEEP,
     LOSSES,
@@ -18,15 +19,6 @@ from parallel_backend.timeline import (
     largest_loss,
     losses,
 )
-
-
-def scan_loglik(rows, a):
-    def step(c, x):
-        c = jnp.tanh(a * c + x)
-        return c, c * x
-
-    _, ys = jax.lax.scan(step, jnp.zeros(rows.shape[0], rows.dtype), rows.T)
-    return jnp.sum(ys, axis=0)
 
 
 def test_every_block_once_per_evaluation_on_the_workers_that_ran_it():
