@@ -4,29 +4,29 @@ A *kernel* is what a block of rows gives for one parameter set, as plain functio
 block and the parameters. There is one kernel per derivative order, each a class without
 flags:
 
-* :data:`VALUE`: the block's summed log-density (nothing differentiated);
-* :data:`GRADIENT`: the summed value, the gradient of every shared leaf and the per-row
-  gradient of every traced leaf that :class:`Wrt` marks (a reverse pass over the block);
-* :data:`HESSIAN_VECTOR_PRODUCT`: the tangent of those three along tangents that follow
+* ``VALUE``: the block's summed log-density (nothing differentiated);
+* ``GRADIENT``: the summed value, the gradient of every shared leaf and the per-row
+  gradient of every traced leaf that ``Wrt`` marks (a reverse pass over the block);
+* ``HESSIAN_VECTOR_PRODUCT``: the tangent of those three along tangents that follow
   the leaves (forward over reverse), what second derivatives are made of.
 
-:func:`kernel_for` picks one from what an evaluation carries (its derivative order and
-its :class:`Wrt`): the only place an order is looked at. Each kernel also gives the
+``kernel_for`` picks one from what an evaluation carries (its derivative order and
+its ``Wrt``): the only place an order is looked at. Each kernel also gives the
 same quantity for plain NumPyro's program (``fn`` on every row at once,
-:meth:`Gradient.plain`), which the graph evaluates on an accelerator.
+``Gradient.plain``), which the graph evaluates on an accelerator.
 
 A *layout* is how a run of blocks is evaluated, one class per form of the site
-(:attr:`.spec.SiteSpec.form`):
+(``spec.SiteSpec.form``):
 
-* :data:`BATCHED`: every block in one ``vmap``; only the padded last block is masked,
+* ``BATCHED``: every block in one ``vmap``; only the padded last block is masked,
   run apart after the others (the mask kept XLA from fusing the values into their sum);
-* :data:`LOOPED`: one block per iteration of a ``fori_loop`` (a ``scan`` in ``fn``, or
+* ``LOOPED``: one block per iteration of a ``fori_loop`` (a ``scan`` in ``fn``, or
   LAPACK kernels that must run in place), written into buffers.
 
 Both take any kernel, so the four combinations are written once each. A layout builds the
-graph route's body (:meth:`Batched.graph`), a host chunk's compiled program
-(:meth:`Batched.chunk_program`, called as :data:`.tasks.CHUNK_CALLS` says), and the blocked sum
-that third derivatives differentiate (:meth:`Batched.sum_blocks`). Imports jax and the core
+graph route's body (``Batched.graph``), a host chunk's compiled program
+(``Batched.chunk_program``, called as ``tasks.CHUNK_CALLS`` says), and the blocked sum
+that third derivatives differentiate (``Batched.sum_blocks``). Imports jax and the core
 below it.
 """
 

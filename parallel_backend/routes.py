@@ -174,8 +174,8 @@ def _per_set(again, traced, shared, axes, *extra):
 
 
 class GraphRoute(Route):
-    """Every block inside the caller's program (:meth:`Executor.graph_partials`), counted
-    by the site's :class:`GraphCounter` where the executor counts graph calls."""
+    """Every block inside the caller's program (``Executor.graph_partials``), counted
+    by the site's ``GraphCounter`` where the executor counts graph calls."""
 
     name = "graph"
     slot = GRAPH
@@ -255,7 +255,7 @@ def _zeros_like(shapes):
 
 class HostRoute(Route):
     """Chunks on the executor's workers, through one host callback per evaluation (a
-    batch of parameter sets or of tangents included): :mod:`.host`."""
+    batch of parameter sets or of tangents included): ``host.evaluate``."""
 
     name = "host"
     slot = HOST
@@ -346,7 +346,7 @@ def route_of(executor, state, grainsize, choice=None) -> Route:
 def default_route(executor, state) -> type[Route]:
     """:class:`GraphRoute` or :class:`HostRoute` for ``state``'s site on ``executor``
     without measuring: the executor's fixed route (``dispatch="graph"`` or ``"host"``,
-    :attr:`Executor.fixed_route`), else (``"auto"``) the host where the site is
+    ``Executor.fixed_route``), else (``"auto"``) the host where the site is
     evaluated block by block for a ``scan`` (XLA keeps such a body on one core) and the
     host path can split it (two workers, two tiles), else the graph (where XLA threads
     the batched evaluation as it threads plain NumPyro, and the blocks looped for a

@@ -407,7 +407,7 @@ class Executor:
         ----------
         timeline : bool
             Also ``timeline``: the last host evaluations (at most
-            :data:`~parallel_backend.timeline.KEEP`), each a dict with the site, its
+            ``timeline.KEEP``), each a dict with the site, its
             start (seconds since the epoch), ``seconds``, ``workers`` (the executor's
             now) and its
             ``chunks`` (``worker``, ``first_block``, ``blocks``, ``start`` and ``end``

@@ -755,9 +755,9 @@ class ProfileReport:
         Vectorized chains each evaluation carried (``profile(..., chains=)``).
     timelines : dict
         Per executor whose chunks ran on its workers (by ``executor`` label): its last
-        host evaluations (:class:`parallel_backend.timeline.EvaluationSpan`: when each
+        host evaluations (``timeline.EvaluationSpan``: when each
         chunk started and ended, on which worker), from the timed rounds. See
-        :meth:`losses` and :meth:`plot_timeline`.
+        :meth:`ProfileReport.losses` and :meth:`ProfileReport.plot_timeline`.
     """
 
     def __init__(self, rows, sites, recommendation, best, samples=None, nuts=None, chains=1,
@@ -799,7 +799,7 @@ class ProfileReport:
     def losses(self, executor: str | None = None) -> dict[str, float] | None:
         """Where ``executor``'s workers' time went per gradient, as shares of
         ``workers * seconds``: ``chunks`` (their own compute) and each of
-        :data:`parallel_backend.timeline.LOSSES` (dispatch, load imbalance, assembly,
+        ``timeline.LOSSES`` (dispatch, load imbalance, assembly,
         idle workers, the caller's program around the callback), over its timed host
         evaluations; ``None`` where its chunks did not run on workers (the graph).
         ``executor``: a row's label (default: the recommended one, else the fastest
@@ -818,7 +818,7 @@ class ProfileReport:
         return {k: v / capacity for k, v in total.items()} if capacity > 0 else None
 
     def plot_timeline(self, executor: str | None = None, ax: Axes | None = None) -> Axes:
-        """One gradient evaluation of ``executor`` (default as in :meth:`losses`) as a
+        """One gradient evaluation of ``executor`` (default as in :meth:`ProfileReport.losses`) as a
         timeline: a row per worker with its chunks as bars (the gaps are idle time), the
         host callback's span, and the caller's own program after it (to the measured
         seconds per gradient); a graph-route evaluation is one bar. The title names
