@@ -6,11 +6,11 @@ Per likelihood, in one run: plain NumPyro, ``SerialExecutor()`` (every block on 
 thread, in the graph), ``ThreadExecutor()`` (its default route) and
 ``ThreadExecutor(dispatch="host")``, timed in interleaved rounds as ``benchmarks
 gradients`` times them (value and gradient, parameters traced, every output used, in a
-compiled loop); then the **ceiling**: two processes at once, each evaluating half of the
-rows with ``SerialExecutor()`` in the whole site's blocks (the blocks the threads run),
-started together after both compiled.
-Their slower median is what two cores give these blocks on this machine, the memory bus
-and the cores' shared caches included; ``2 x Serial`` assumes they cost nothing. Prints
+compiled loop), and in the same rounds the **ceiling**: two processes at once, each
+evaluating half of the rows with ``SerialExecutor()`` in the whole site's blocks (the
+blocks the threads run), a round of both together. The slower half's median is what two
+cores give these blocks on this machine, the memory bus and the cores' shared caches
+included; ``2 x Serial`` assumes they cost nothing. Prints
 per gradient the ratio to plain of each, and the threads' share of the ceiling and of
 ``2 x Serial``; ``--out FILE`` appends records (``bench: "ceiling"``) to ``FILE``.
 """
@@ -18,11 +18,11 @@ per gradient the ratio to plain of each, and the threads' share of the ceiling a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -58,8 +58,9 @@ def _gradient(fn, data, executor, block_rows=None):
 
 
 def child(spec: dict) -> None:
-    """One half of the rows on ``SerialExecutor()``: compiled, then timed once the parent
-    says go (both halves at once); prints the seconds per evaluation of each round."""
+    """One half of the rows on ``SerialExecutor()``: compiled, says ``ready``, then one
+    timed round per ``go`` line on stdin (prints its seconds per evaluation), until stdin
+    says anything else or closes."""
     import jax
 
     import parallel_backend as pb
@@ -71,67 +72,87 @@ def child(spec: dict) -> None:
     with pb.SerialExecutor() as ex:
         f = _gradient(fn, data, ex, spec["block_rows"])  # the whole site's blocks
         warm_up(f, params, ex, calls=3)
-        open(spec["ready"], "w").close()
-        while not os.path.exists(spec["go"]):
-            time.sleep(0.005)
-        out = []
-        for _ in range(spec["rounds"]):
+        print("ready", flush=True)
+        while sys.stdin.readline().strip() == "go":
             t0 = time.perf_counter()
             jax.block_until_ready(f(*params))
-            out.append((time.perf_counter() - t0) / LOOP)
-    print(json.dumps(out), flush=True)
+            print((time.perf_counter() - t0) / LOOP, flush=True)
 
 
-def ceiling(model: str, rows: int, dtype: str, rounds: int, block_rows: int) -> float:
-    """The slower of two processes' medians, each on half the rows in blocks of
-    ``block_rows`` (the whole site's), timed together."""
-    with tempfile.TemporaryDirectory() as tmp:
-        go = os.path.join(tmp, "go")
-        procs, ready = [], []
+class Halves:
+    """The ceiling as one more timed function: two processes, each on half of the rows in
+    blocks of ``block_rows`` (the whole site's); a call runs one round of both at once
+    and records the slower half's seconds per evaluation (``seconds``). Timed in the same
+    interleaved rounds as the in-process variants, so that all see the same machine (it
+    is shared and noisy); while one runs, the others wait on a pipe."""
+
+    def __init__(self, model: str, rows: int, dtype: str, block_rows: int) -> None:
+        self.seconds: list[float] = []
+        self.procs = []
         for half in (0, 1):
-            ready.append(os.path.join(tmp, f"ready{half}"))
             spec = {"model": model, "rows": rows, "dtype": dtype, "half": half,
-                    "rounds": rounds, "ready": ready[-1], "go": go, "block_rows": block_rows}
-            procs.append(subprocess.Popen(
+                    "block_rows": block_rows}
+            self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.ceiling", "--child", json.dumps(spec)],
-                cwd=ROOT, stdout=subprocess.PIPE, text=True))
-        deadline = time.time() + 600
-        while not all(os.path.exists(r) for r in ready):
-            if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in self.procs:
+            if p.stdout.readline().strip() != "ready":
+                self.close()
                 raise RuntimeError("ceiling: a half did not compile")
-            time.sleep(0.01)
-        open(go, "w").close()
-        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])
-                for p in procs]
-    return max(float(np.median(o)) for o in outs)
+
+    def __call__(self, *params) -> None:
+        del params  # each half holds its own
+        for p in self.procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines = [p.stdout.readline() for p in self.procs]
+        if not all(line.strip() for line in lines):
+            raise RuntimeError("ceiling: a half exited")
+        self.seconds.append(max(float(line) for line in lines))
+
+    def close(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def measure(model: str, rows: int, dtype: str, rounds: int) -> dict:
-    """Seconds per evaluation of every variant, and the ceiling."""
+    """Seconds per evaluation of every variant and of the ceiling, in interleaved rounds
+    (the ceiling: the median over rounds of the slower half)."""
     import jax
 
     import parallel_backend as pb
-
-    from .gradients import time_variants
+    from parallel_backend.plugins.numpyro.profile import medians, time_interleaved, warm_up
+    from parallel_backend.routes import LOOP
 
     jax.config.update("jax_enable_x64", dtype == "float64")
     fn, data, params = _problem(model, rows, dtype)
     executors = {"serial": pb.SerialExecutor(), "thread": pb.ThreadExecutor(),
                  "thread_host": pb.ThreadExecutor(dispatch="host")}
+    halves = None
     try:
         variants = {"plain": (_gradient(fn, data, None), None)}
         variants.update({k: (_gradient(fn, data, ex), ex) for k, ex in executors.items()})
-        from parallel_backend.routes import LOOP
-
-        seconds = time_variants(variants, params, rounds, LOOP)
+        for f, ex in variants.values():
+            warm_up(f, params, ex, calls=3)
         block_rows = executors["serial"].stats()["sites"][0]["block_rows"]
+        halves = Halves(model, rows, dtype, block_rows)
+        times = time_interleaved([f for f, _ in variants.values()] + [halves], params,
+                                 rounds=rounds)
+        seconds = {k: m / LOOP for k, m in zip(variants, medians(times))}
+        seconds["ceiling"] = float(np.median(halves.seconds[-rounds:]))
         spans = executors["thread"].timeline.last()
     finally:
+        if halves is not None:
+            halves.close()
         for ex in executors.values():
             ex.close()
-    seconds["ceiling"] = ceiling(model, rows, dtype, rounds, block_rows)
     return seconds, spans, block_rows
 
 

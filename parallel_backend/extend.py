@@ -79,7 +79,7 @@ from .tasks import (
     run_chunk,
     run_task,
 )
-from .timeline import LOSSES, ChunkSpan, EvaluationSpan, Timeline, losses
+from .timeline import LOSSES, ChunkSpan, EvaluationSpan, Timeline, losses, shares
 
 __all__ = [
     "BATCHED",
@@ -140,6 +140,7 @@ __all__ = [
     "run_chunk",
     "run_eagerly",
     "run_task",
+    "shares",
     "site_stats",
     "split_tiles",
     "unblock",

@@ -141,7 +141,7 @@ def reduce_sum(fn: Callable[..., ArrayLike], data: Any, *shared: Any,
                                "(another thread wrote to it); trace the model again")
         spec = make_spec(fn, data_treedef, shared_treedef, leaves, shared_leaves, plan,
                          value_dtype, x64, balance=block_rows is None, resident=kept)
-        return SiteState(spec, kept, executor.workers)
+        return SiteState(spec, kept, executor.workers, executor.chunks_per_worker)
 
     state = executor.site_state(key, make)
     choice = current_slot(executor, state)

@@ -53,7 +53,8 @@ class SiteState:
         Chunk sizes for ``grainsize=None`` on the host path.
     """
 
-    def __init__(self, spec: SiteSpec, resident_leaves, workers: int):
+    def __init__(self, spec: SiteSpec, resident_leaves, workers: int,
+                 chunks_per_worker: int = 2):
         # Made while the call that keyed the site is traced: copies of the NumPy arrays
         # it keeps (its data, and what fn closes over), so that it prepares, traces and
         # sends what its key says even if the user changes them in place afterwards.
@@ -62,7 +63,8 @@ class SiteState:
         self.spec = spec if fn is spec.fn else spec._replace(fn=fn)
         self.decision: type[Route] | None = None
         self.measured: Any = None  # a routes.Choice
-        self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles)
+        self.chunker = AdaptiveChunker(spec.plan, workers, tiles=spec.tiles,
+                                       chunks_per_worker=chunks_per_worker)
         self._resident_leaves = tuple(resident_leaves)
         self._lock = threading.Lock()
         self._program: Program | None = None

@@ -21,8 +21,16 @@ from __future__ import annotations
 import collections
 from typing import Any, NamedTuple
 
-__all__ = ["KEEP", "LOSSES", "ChunkSpan", "EvaluationSpan", "Timeline", "largest_loss",
-           "losses"]
+__all__ = [
+    "KEEP",
+    "LOSSES",
+    "ChunkSpan",
+    "EvaluationSpan",
+    "Timeline",
+    "largest_loss",
+    "losses",
+    "shares",
+]
 
 #: Evaluations a timeline keeps (the last ones).
 KEEP = 16
@@ -113,13 +121,20 @@ def losses(span: EvaluationSpan, workers: int,
     return out
 
 
-def largest_loss(spans, workers: int,
-                 seconds_per_gradient: float | None = None) -> tuple[str, float]:
-    """The largest of :data:`LOSSES` over ``spans`` and its share of their capacity."""
+def shares(spans, workers: int, seconds_per_gradient: float | None = None) -> dict | None:
+    """:func:`losses` summed over ``spans``, as shares of their capacity (they add up to
+    one); ``None`` where there is none (no spans, or none with a duration)."""
     total = dict.fromkeys(("chunks", *LOSSES), 0.0)
     for span in spans:
         for k, v in losses(span, workers, seconds_per_gradient).items():
             total[k] += v
     capacity = sum(total.values())
-    name = max(LOSSES, key=lambda k: total[k])
-    return name, (total[name] / capacity if capacity > 0 else 0.0)
+    return {k: v / capacity for k, v in total.items()} if capacity > 0 else None
+
+
+def largest_loss(spans, workers: int,
+                 seconds_per_gradient: float | None = None) -> tuple[str, float]:
+    """The largest of :data:`LOSSES` over ``spans`` and its share of their capacity."""
+    share = shares(spans, workers, seconds_per_gradient) or dict.fromkeys(LOSSES, 0.0)
+    name = max(LOSSES, key=lambda k: share[k])
+    return name, share[name]

@@ -172,6 +172,9 @@ class Executor:
     """
 
     name: ClassVar[str] = "base"
+    #: Chunks per worker that the adaptive chunker aims for (fewer, larger ones where task
+    #: overhead dominates): two, so that workers of unequal speed (a cluster's) even out.
+    chunks_per_worker: ClassVar[int] = 2
 
     def __init__(self, *, dispatch: str = "auto", count_calls: bool = False,
                  stall_timeout: float | None = STALL_TIMEOUT) -> None:

@@ -39,7 +39,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 
 import parallel_backend as pb
-from parallel_backend.extend import LOSSES, cpu_count, losses, row_bytes
+from parallel_backend.extend import LOSSES, cpu_count, row_bytes, shares
 
 from .display import Bar
 from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
@@ -810,12 +810,7 @@ class ProfileReport:
             return None
         # The caller's program is known where one site makes each gradient.
         per = row.seconds if len(self.sites) == 1 and self.chains == 1 else None
-        total = dict.fromkeys(("chunks", *LOSSES), 0.0)
-        for span in spans:
-            for k, v in losses(span, row.workers, per).items():
-                total[k] += v
-        capacity = sum(total.values())
-        return {k: v / capacity for k, v in total.items()} if capacity > 0 else None
+        return shares(spans, row.workers, per)
 
     def plot_timeline(self, executor: str | None = None, ax: Axes | None = None) -> Axes:
         """One gradient evaluation of ``executor`` (default as in :meth:`ProfileReport.losses`) as a

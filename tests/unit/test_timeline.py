@@ -18,6 +18,7 @@ from parallel_backend.timeline import (
     Timeline,
     largest_loss,
     losses,
+    shares,
 )
 
 
@@ -82,6 +83,17 @@ def test_losses_name_where_the_time_went():
     # a product along zero runs no chunk: all of it overhead
     assert losses(span(), 2)["assembly"] == pytest.approx(2.0)
     assert set(losses(alone, 2)) == {"chunks", *LOSSES}
+
+
+def test_shares_over_evaluations_add_up_to_one():
+    two = [span(("a", 0, 2, 0.0, 1.0), ("b", 2, 2, 0.0, 0.5)),
+           span(("a", 0, 2, 0.25, 1.0), ("b", 2, 2, 0.0, 1.0))]
+    share = shares(two, 2)
+    assert sum(share.values()) == pytest.approx(1.0)
+    # (1 + 0.5) + (0.75 + 1) worker-seconds of chunks in 4 of capacity
+    assert share["chunks"] == pytest.approx(0.8125)
+    assert largest_loss(two, 2) == ("load imbalance", pytest.approx(share["load imbalance"]))
+    assert shares([], 2) is None and shares([span(end=0.0)], 2) is None
 
 
 def test_a_timeline_keeps_the_last_evaluations():
