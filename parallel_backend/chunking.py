@@ -140,7 +140,8 @@ class AdaptiveChunker:
     workers : int
         Tasks that can run at once.
     chunks_per_worker : int
-        Aim for this many chunks per worker, for load balance.
+        Aim for this many chunks per worker (the executor's ``chunks_per_worker``):
+        more than one evens out workers of unequal speed, at the cost of a task each.
     max_overhead : float
         Largest acceptable share of task overhead in a chunk's time.
     settle_after : int
