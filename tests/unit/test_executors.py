@@ -392,6 +392,21 @@ def test_adaptive_chunking_settles_with_few_shapes(executor):
     assert executor.stats()["chunk_rows"] == [settled * 512]
 
 
+def test_a_thread_pool_makes_one_chunk_per_thread_other_executors_two_per_worker():
+    """Threads of one process share cores of one speed: a second chunk each evens out
+    nothing; elsewhere (a cluster's workers) two per worker do."""
+    assert pb.ThreadExecutor.chunks_per_worker == 1
+    assert pb.SerialExecutor.chunks_per_worker == 2
+    x = jnp.linspace(-2.0, 2.0, 65_536)
+    with pb.ThreadExecutor(2, dispatch="host") as ex:
+        f = jitted_value_and_grad(x, executor=ex, block_rows=512)  # 128 blocks
+        for mu in np.linspace(-1.0, 1.0, 6):
+            jax.block_until_ready(f(mu))
+        (site,) = ex.sites()
+        assert site.chunker.settled and site.chunker.parts == 2
+        assert [c.blocks for c in ex.timeline.last(1)[0].chunks] == [64, 64]
+
+
 # -- import weight ---------------------------------------------------------------------------
 
 
