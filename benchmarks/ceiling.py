@@ -146,7 +146,7 @@ def measure(model: str, rows: int, dtype: str, rounds: int) -> dict:
         times = time_interleaved([f for f, _ in variants.values()] + [halves], params,
                                  rounds=rounds)
         seconds = {k: m / LOOP for k, m in zip(variants, medians(times))}
-        seconds["ceiling"] = float(np.median(halves.seconds[-rounds:]))
+        seconds["ceiling"] = float(np.median(halves.seconds))
         spans = executors["thread"].timeline.last()
     finally:
         if halves is not None:

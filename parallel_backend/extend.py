@@ -79,7 +79,7 @@ from .tasks import (
     run_chunk,
     run_task,
 )
-from .timeline import LOSSES, ChunkSpan, EvaluationSpan, Timeline, losses, shares
+from .timeline import LOSSES, ChunkSpan, EvaluationSpan, Timeline, largest, losses, shares
 
 __all__ = [
     "BATCHED",
@@ -131,6 +131,7 @@ __all__ = [
     "host_device",
     "is_tracer",
     "kernel_for",
+    "largest",
     "losses",
     "pad_blocks",
     "pad_rows",

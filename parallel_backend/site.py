@@ -54,7 +54,7 @@ class SiteState:
     """
 
     def __init__(self, spec: SiteSpec, resident_leaves, workers: int,
-                 chunks_per_worker: int = 2):
+                 chunks_per_worker: int):
         # Made while the call that keyed the site is traced: copies of the NumPy arrays
         # it keeps (its data, and what fn closes over), so that it prepares, traces and
         # sends what its key says even if the user changes them in place afterwards.

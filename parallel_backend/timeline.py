@@ -27,6 +27,7 @@ __all__ = [
     "ChunkSpan",
     "EvaluationSpan",
     "Timeline",
+    "largest",
     "largest_loss",
     "losses",
     "shares",
@@ -132,9 +133,14 @@ def shares(spans, workers: int, seconds_per_gradient: float | None = None) -> di
     return {k: v / capacity for k, v in total.items()} if capacity > 0 else None
 
 
+def largest(share: dict | None) -> tuple[str, float]:
+    """The largest of :data:`LOSSES` in ``share`` (:func:`shares`) and its share."""
+    share = share or {}
+    name = max(LOSSES, key=lambda k: share.get(k, 0.0))
+    return name, share.get(name, 0.0)
+
+
 def largest_loss(spans, workers: int,
                  seconds_per_gradient: float | None = None) -> tuple[str, float]:
     """The largest of :data:`LOSSES` over ``spans`` and its share of their capacity."""
-    share = shares(spans, workers, seconds_per_gradient) or dict.fromkeys(LOSSES, 0.0)
-    name = max(LOSSES, key=lambda k: share[k])
-    return name, share[name]
+    return largest(shares(spans, workers, seconds_per_gradient))

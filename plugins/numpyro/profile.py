@@ -39,7 +39,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 
 import parallel_backend as pb
-from parallel_backend.extend import LOSSES, cpu_count, row_bytes, shares
+from parallel_backend.extend import cpu_count, largest, row_bytes, shares
 
 from .display import Bar
 from .replay import factor_sites, quietly, site_distribution, site_inputs, trace_model
@@ -856,10 +856,10 @@ class ProfileReport:
         ax.invert_yaxis()
         ax.set_xlabel("ms from the callback's start (blocks as first+count)")
         share = self.losses(row.executor) or {}
-        worst = max(LOSSES, key=lambda k: share.get(k, 0.0))
+        worst, part = largest(share)
         ax.set_title(f"{row.executor}: chunks {share.get('chunks', 0):.0%} of "
                      f"{row.workers} workers' time; largest loss: {worst} "
-                     f"({share.get(worst, 0):.0%})", fontsize=9)
+                     f"({part:.0%})", fontsize=9)
         from matplotlib.figure import Figure
 
         if isinstance(ax.figure, Figure):
@@ -914,9 +914,9 @@ class ProfileReport:
             row = self._row(None)
             share = self.losses(row.executor)
             if share is not None:
-                worst = max(LOSSES, key=lambda k: share[k])
+                worst, part = largest(share)
                 where = [(f"where {row.executor}'s workers' time went: chunks "
-                          f"{share['chunks']:.0%}, largest loss {worst} {share[worst]:.0%} "
+                          f"{share['chunks']:.0%}, largest loss {worst} {part:.0%} "
                           f"(report.losses(), report.plot_timeline())")]
         return "\n".join([f"pb.profile: {what} ({sites})", *lines, *where,
                           *nuts, f"recommendation: {self.recommendation}"])

@@ -18,6 +18,7 @@ import pytest
 import parallel_backend as pb
 from helpers import scan_loglik
 from parallel_backend.blocks import balance_blocks
+from parallel_backend.timeline import LOSSES
 
 # The module, not the function of the same name that the package exports.
 profile_module = importlib.import_module("parallel_backend.plugins.numpyro.profile")
@@ -365,7 +366,7 @@ def test_timeline_of_the_workers_and_its_plot():
     threads = report.rows[2].executor
     assert list(report.timelines) == [threads]  # the graph route has none
     share = report.losses(threads)
-    assert set(share) == {"chunks", *profile_module.LOSSES}
+    assert set(share) == {"chunks", *LOSSES}
     assert sum(share.values()) == pytest.approx(1.0) and 0 < share["chunks"] <= 1
     assert report.losses(report.rows[1].executor) is None
     assert f"where {threads}'s workers' time went" in repr(report)
