@@ -12,7 +12,8 @@ blocks the threads run), a round of both together. The slower half's median is w
 cores give these blocks on this machine, the memory bus and the cores' shared caches
 included; ``2 x Serial`` assumes they cost nothing. Prints
 per gradient the ratio to plain of each, and the threads' share of the ceiling and of
-``2 x Serial``; ``--out FILE`` appends records (``bench: "ceiling"``) to ``FILE``.
+``2 x Serial``; ``--out FILE`` appends records (``bench: "ceiling"``) to ``FILE``, the
+threads' with their last evaluation's timeline (drawn by ``python -m benchmarks plot``).
 """
 
 from __future__ import annotations
@@ -147,31 +148,14 @@ def measure(model: str, rows: int, dtype: str, rounds: int) -> dict:
                                  rounds=rounds)
         seconds = {k: m / LOOP for k, m in zip(variants, medians(times))}
         seconds["ceiling"] = float(np.median(halves.seconds))
-        spans = executors["thread"].timeline.last()
+        span = executors["thread"].timeline.last()[-1]
+        workers = executors["thread"].workers
     finally:
         if halves is not None:
             halves.close()
         for ex in executors.values():
             ex.close()
-    return seconds, spans, block_rows
-
-
-def plot_timeline(path: str, label: str, seconds: dict, spans, rows: int, block_rows: int):
-    """``ThreadExecutor()``'s last evaluation drawn as ``pb.profile``'s report draws it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from parallel_backend.plugins.numpyro.profile import ProfileReport, ProfileRow
-
-    plain = seconds["plain"]
-    thread = ProfileRow(f"ThreadExecutor(), {label}", "thread", 2, "host", seconds["thread"],
-                        plain / seconds["thread"], None, None, (), True)
-    report = ProfileReport([ProfileRow("plain NumPyro", "plain", 1, "-", plain, 1.0, None,
-                                       None, (), None), thread],
-                           [{"name": label, "rows": rows, "block_rows": block_rows}], "", None,
-                           timelines={thread.executor: spans})
-    ax = report.plot_timeline(thread.executor)
-    ax.figure.savefig(path, dpi=90)
+    return seconds, span, block_rows, workers
 
 
 def main(argv=None) -> None:
@@ -181,9 +165,6 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default=None, help="append the records (JSON lines) here")
-    ap.add_argument("--timeline", default=None,
-                    help="draw ThreadExecutor()'s last evaluation of the last likelihood "
-                         "into this PNG")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -195,10 +176,7 @@ def main(argv=None) -> None:
     out = []
     for item in args.likelihoods.split(","):
         model, rows = item.split(":")
-        s, spans, block_rows = measure(model, int(rows), args.dtype, args.rounds)
-        if args.timeline:
-            plot_timeline(args.timeline, f"{model} {int(rows):,} {args.dtype}", s, spans,
-                          int(rows), block_rows)
+        s, span, block_rows, workers = measure(model, int(rows), args.dtype, args.rounds)
         plain = s["plain"]
         ratio = {k: plain / v for k, v in s.items()}
         twice = 2 * ratio["serial"]
@@ -209,8 +187,12 @@ def main(argv=None) -> None:
               f"2 x serial {twice:.2f}x; threads / ceiling {best / ratio['ceiling']:.2f}, "
               f"threads / (2 x serial) {best / twice:.2f}", flush=True)
         for k, v in s.items():
+            info = {}
+            if k == "thread":  # its last evaluation, for `python -m benchmarks plot`
+                info = {"block_rows": block_rows, "workers": workers,
+                        "timeline": span.as_dict()}
             out.append(records.record(env, "ceiling", model, int(rows), args.dtype, k, v,
-                                      plain, args.rounds, {"loop": 4}, {}))
+                                      plain, args.rounds, {"loop": 4}, info))
     if args.out:
         records.write(args.out, out)
 

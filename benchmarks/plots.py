@@ -1,6 +1,6 @@
 """The plots of ``docs/performance.md`` from benchmark records: ``python -m benchmarks plot``.
 
-Two figures, drawn from records (:mod:`.records`) and nothing typed in by hand:
+Three figures, drawn from records (:mod:`.records`) and nothing typed in by hand:
 
 - ``speedup_rows_<likelihood>.png``, from ``gradients`` records of one likelihood at
   several row counts: ``ThreadExecutor()`` (solid) and ``SerialExecutor()`` (dotted) as
@@ -9,6 +9,9 @@ Two figures, drawn from records (:mod:`.records`) and nothing typed in by hand:
 - ``speedup_cores_<cores>.png``, from ``scaling`` records: ``ThreadExecutor(w,
   dispatch="host")`` and plain NumPyro on ``w`` cores, each against plain NumPyro pinned
   to one core, one panel per likelihood.
+- ``timeline_<likelihood>.png``, from the last record that keeps a timeline (``ceiling``
+  records keep ``ThreadExecutor()``'s last evaluation): one evaluation as
+  ``ProfileReport.plot_timeline()`` draws it, a row per worker.
 
 The PNGs are committed (the docs build only shows them); draw them again when their
 records change. Same records, same bytes: no date or version in the files' metadata.
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["cores_data", "draw_cores", "draw_rows", "plot", "rows_data"]
+__all__ = ["cores_data", "draw_cores", "draw_rows", "draw_timeline", "plot", "rows_data",
+           "timeline_record"]
 
 
 def _when(recs) -> str:
@@ -142,6 +146,41 @@ def draw_cores(data, path, title="", dtype="float32"):
     plt.close(fig)
 
 
+def timeline_record(records):
+    """The last record that keeps an evaluation's timeline (``info["timeline"]``), or
+    ``None``."""
+    kept = [r for r in records if r["info"].get("timeline") and r["ratio"] is not None]
+    return kept[-1] if kept else None
+
+
+def draw_timeline(rec, path):
+    """``rec``'s evaluation as ``pb.profile``'s report draws it: a row per worker, its
+    chunks as bars, the callback and the caller's program around it (to the record's
+    seconds per gradient), the largest loss in the title."""
+    plt = _pyplot()
+    from parallel_backend.plugins.numpyro.profile import ProfileReport, ProfileRow
+    from parallel_backend.timeline import EvaluationSpan
+
+    span = EvaluationSpan.from_dict(rec["info"]["timeline"])
+    name = {"hmm": "HMM"}.get(rec["likelihood"], rec["likelihood"])
+    label = f"{name}, {rec['rows']:,} rows, {rec['dtype']}"
+    plain = rec["seconds"] * rec["ratio"]
+    workers = int(rec["info"]["workers"])
+    thread = ProfileRow(f"ThreadExecutor(), {label}", rec["variant"], workers, "host",
+                        rec["seconds"], rec["ratio"], None, None, (), True)
+    report = ProfileReport(
+        [ProfileRow("plain NumPyro", "plain", 1, "-", plain, 1.0, None, None, (), None),
+         thread],
+        [{"name": rec["likelihood"], "rows": rec["rows"],
+          "block_rows": rec["info"].get("block_rows")}], "", None,
+        timelines={thread.executor: [span]})
+    ax = report.plot_timeline(thread.executor)
+    ax.figure.suptitle(f"{rec['machine']}, {rec['date']}", fontsize=8, x=0.99, ha="right")
+    ax.figure.tight_layout()
+    _save(ax.figure, path)
+    plt.close(ax.figure)
+
+
 def plot(records, out, likelihood=None) -> list:
     """Draw every figure ``records`` hold data for into the folder ``out``; returns the
     paths written."""
@@ -163,7 +202,11 @@ def plot(records, out, likelihood=None) -> list:
         title = f"{used[0]['machine']}, {_when(used)}"
         written.append(os.path.join(out, f"speedup_cores_{most}.png"))
         draw_cores(cores, written[-1], title, used[0]["dtype"])
+    rec = timeline_record(records)
+    if rec is not None:
+        written.append(os.path.join(out, f"timeline_{rec['likelihood']}.png"))
+        draw_timeline(rec, written[-1])
     if not written:
-        raise SystemExit("plot: no gradients records at several row counts and no scaling "
-                         "records with one worker among the records given")
+        raise SystemExit("plot: no gradients records at several row counts, no scaling "
+                         "records with one worker and no timeline among the records given")
     return written

@@ -73,6 +73,14 @@ class EvaluationSpan(NamedTuple):
                             "start": c.start - self.start, "end": c.end - self.start}
                            for c in self.chunks]}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> EvaluationSpan:
+        """The span :meth:`as_dict` gave ``d`` for (a record read back from JSON)."""
+        start = float(d["start"])
+        chunks = tuple(ChunkSpan(c["worker"], int(c["first_block"]), int(c["blocks"]),
+                                 start + c["start"], start + c["end"]) for c in d["chunks"])
+        return cls(d["site"], start, start + float(d["seconds"]), chunks)
+
 
 class Timeline(collections.deque):
     """The last :data:`KEEP` evaluations of one executor, oldest first: a ``deque``, to

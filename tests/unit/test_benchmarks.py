@@ -187,13 +187,13 @@ def test_warm_up_waits_for_the_chunker_and_rounds_stretch_to_the_budget():
 
 
 @pytest.mark.slow
-def test_ceiling_times_two_halves_together_and_draws_the_timeline(tmp_path):
+def test_ceiling_times_two_halves_together_and_keeps_the_timeline(tmp_path):
     """``python -m benchmarks.ceiling``: one record per variant and the ceiling (two
-    processes, each half the rows), ratios to plain of the same run, and the timeline
-    of the threads' last evaluation as a PNG."""
-    out, png = tmp_path / "ceiling.jsonl", tmp_path / "timeline.png"
+    processes, each half the rows), ratios to plain of the same run; the threads' record
+    keeps their last evaluation, which ``python -m benchmarks plot`` draws."""
+    out = tmp_path / "ceiling.jsonl"
     cmd = [sys.executable, "-m", "benchmarks.ceiling", "--likelihoods", "hmm:400",
-           "--rounds", "1", "--out", str(out), "--timeline", str(png)]
+           "--rounds", "1", "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -205,4 +205,14 @@ def test_ceiling_times_two_halves_together_and_draws_the_timeline(tmp_path):
     plain = recs[0]["seconds"]
     assert all(r["bench"] == "ceiling" and r["ratio"] == pytest.approx(plain / r["seconds"])
                for r in recs)
-    assert png.stat().st_size > 1000
+    kept = [r for r in recs if r["info"].get("timeline")]
+    assert [r["variant"] for r in kept] == ["thread"]
+    span = kept[0]["info"]["timeline"]
+    blocks = sorted((c["first_block"], c["blocks"]) for c in span["chunks"])
+    covered = [b for first, n in blocks for b in range(first, first + n)]
+    assert covered == list(range(400 // kept[0]["info"]["block_rows"]))  # every block once
+    drawn = subprocess.run([sys.executable, "-m", "benchmarks", "plot", str(out), "--out",
+                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+    assert (tmp_path / "timeline_hmm.png").stat().st_size > 1000

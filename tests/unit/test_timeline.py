@@ -3,6 +3,8 @@ evaluations only, and the split of the workers' time into chunks and losses."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,14 @@ def test_every_block_once_per_evaluation_on_the_workers_that_ran_it():
         assert sum(parts.values()) == pytest.approx(2 * span.wall * 1.5)
         assert parts["caller's program"] == pytest.approx(2 * span.wall * 0.5)
         assert parts["chunks"] == pytest.approx(sum(c.end - c.start for c in span.chunks))
+        # a record keeps it as JSON and reads the same span back
+        back = EvaluationSpan.from_dict(json.loads(json.dumps(span.as_dict())))
+        assert (back.site, back.start) == (span.site, span.start)
+        assert back.wall == pytest.approx(span.wall, abs=1e-6)
+        assert [(c.worker, c.first, c.blocks) for c in back.chunks] == [
+            (c.worker, c.first, c.blocks) for c in span.chunks]
+        assert [c.end - c.start for c in back.chunks] == pytest.approx(
+            [c.end - c.start for c in span.chunks], abs=1e-6)
 
 
 def test_the_graph_route_leaves_no_timeline():
