@@ -340,6 +340,7 @@ def test_a_conversion_that_fails_keeps_the_checkpoint(tmp_path):
     assert back.posterior["mu"].shape == (2, 12) and back.attrs["draws_done"] == [12, 12]
 
 
+@pytest.mark.slow  # a subprocess with a NUTS run of its own
 def test_arviz_imported_before_numpyro(tmp_path):
     """Importing ArviZ first (ArviZ 1.x then loads numpyro lazily, and
     ``numpyro.infer`` loses its submodule attributes) does not break the conversion, which

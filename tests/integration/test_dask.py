@@ -510,9 +510,11 @@ def test_new_executor_on_a_scheduler_whose_workers_died_says_so(cli_cluster, x64
     assert time.time() - t0 < 30
 
 
+# A worker killed mid-run is in the default run as test_a_worker_the_cluster_retires_mid_run
+# and test_no_workers_left_is_a_clear_error_not_a_hang; a whole NUTS run (30 s) is slow.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", [
-    "direct", pytest.param("scheduler", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("transport", ["direct", "scheduler"])
 def test_worker_killed_during_nuts_draws_unchanged(transport, x64):
     data = make_data()
     ref = run_nuts(model, pb.SerialExecutor(), data, warmup=40, samples=40)

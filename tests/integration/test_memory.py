@@ -219,6 +219,7 @@ def test_evicted_sites_free_device_buffers(dispatch):
           f"its program dropped {dropped}, closed {closed}")
 
 
+@pytest.mark.slow  # a subprocess that compiles every test above again
 def test_device_buffers_on_two_forced_devices():
     """The device-buffer checks above on 2 forced host CPU devices, where the host route
     places each device's share (the count is fixed when JAX starts: a subprocess)."""

@@ -100,6 +100,7 @@ def test_vectorized_and_sequential_chains_agree(data):
         assert sv.loc[site, "r_hat"] < 1.05 and ss.loc[site, "r_hat"] < 1.05, site
 
 
+@pytest.mark.slow  # two NUTS runs of their own
 def test_kernel_and_nuts_kwargs(data):
     with pb.SerialExecutor() as ex:
         a = run(data, ex, num_chains=1, nuts_kwargs={"target_accept_prob": 0.95,

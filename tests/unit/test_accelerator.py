@@ -141,6 +141,7 @@ def test_rows_shared_over_devices_each_runs_plains_program(gpu):
         assert "device.rows" not in state.placed  # closed: the shares' buffers freed
 
 
+@pytest.mark.slow  # a subprocess that compiles the test above again
 def test_on_two_forced_devices():
     """The test above in a subprocess with two forced host CPU devices."""
     import re
