@@ -245,7 +245,7 @@ def test_workers_that_join_and_leave_change_no_bit_and_are_logged(caplog, x64,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["direct", "scheduler"])
+@pytest.mark.parametrize("transport", ["direct", pytest.param("scheduler", marks=pytest.mark.slow)])
 def test_a_worker_the_cluster_retires_mid_run_leaves_cleanly(caplog, x64, assert_identical,
                                                              transport):
     """``client.retire_workers`` (what ``adapt`` and a job queue's scale-down call) while

@@ -91,6 +91,7 @@ def test_loo_equals_arviz_loo_of_the_run(run, data, executor):
             ex.close()
 
 
+@pytest.mark.slow  # two fits of its own
 def test_a_plain_site_with_two_batch_dims_and_the_choice_of_site(data):
     """With two observed sites, ``var_name`` chooses (as ``arviz.loo`` asks); a plain site
     over groups x rows is left out element by element, on its plates' dims."""

@@ -77,6 +77,7 @@ def test_sample_without_a_terminal_writes_progress_lines_to_the_log(caplog, caps
     assert any(line.startswith("sample: started after") for line in lines)
 
 
+@pytest.mark.slow  # a subprocess with a fit of its own
 def test_a_batch_job_sees_progress_on_stderr(tmp_path):
     """``python fit.py > out 2> err`` with logging left as Python starts it (nothing shows
     an INFO record): the progress lines go to standard error, as NumPyro's bar, and
