@@ -17,12 +17,6 @@ a short fit's wall time is mostly compilation.
 (step size and mass matrix adapted in warmup): every variant then evaluates the same
 number of gradients, so milliseconds per gradient compare the evaluations alone, without
 NUTS's trees (whose lengths differ once the variants' draws part in the last bits).
-
-``ceiling`` is what two cores give the site's blocks inside the sampler: two child
-processes at once, each sampling the model on one half of the rows with
-``SerialExecutor()``; its record has the slower half's wall time and milliseconds per
-gradient (with ``--kernel hmc`` both halves evaluate the same number of gradients, so
-that they run side by side throughout).
 """
 
 from __future__ import annotations
@@ -39,16 +33,14 @@ from .gradients import ROOT, parse_likelihoods, pick
 
 __all__ = ["VARIANTS", "make_model", "nuts", "run_one"]
 
-VARIANTS = ("plain", "serial", "thread", "thread_host", "device", "device_host", "plain_1core",
-            "ceiling")
+VARIANTS = ("plain", "serial", "thread", "thread_host", "device", "device_host", "plain_1core")
 
 
-def make_model(make, n, dtype, executor, data_as_args=False, half=None):
+def make_model(make, n, dtype, executor, data_as_args=False):
     """``(model, args)`` for the likelihood ``make(n, dtype)``: one model for plain
     (``executor=None``) and for every executor. With ``data_as_args`` the data is the
     model's argument (``MCMC.run(key, data)``, traced inside the sampler), else the model
-    closes over it. ``half`` 0 or 1: only the rows ``[0, n/2)`` or the rest."""
-    import jax
+    closes over it."""
     import jax.numpy as jnp
     import numpyro
     import numpyro.distributions as dist
@@ -56,9 +48,6 @@ def make_model(make, n, dtype, executor, data_as_args=False, half=None):
     import parallel_backend as pb
 
     fn, data, params = make(n, dtype)
-    if half is not None:
-        rows = slice(0, n // 2) if half == 0 else slice(n // 2, None)
-        data = jax.tree.map(lambda x: x[rows], data)
 
     def model(data=data):
         ps = [numpyro.sample(f"p{i}", dist.Normal(jnp.asarray(p), 0.5).to_event(jnp.ndim(p)))
@@ -92,12 +81,9 @@ def run_one(spec: dict, variant: str, seed: int) -> dict:
 
     if variant == "plain_1core":
         return _pinned(spec, seed)
-    if variant == "ceiling":
-        return _halves(spec, seed)
     (_, make, n), = parse_likelihoods(spec["likelihood"])
     executor = _executor(variant)
-    model, args = make_model(make, n, np.dtype(spec["dtype"]), executor, spec["data_as_args"],
-                             spec.get("half"))
+    model, args = make_model(make, n, np.dtype(spec["dtype"]), executor, spec["data_as_args"])
     inner = (HMC(model, num_steps=spec["num_steps"]) if spec["kernel"] == "hmc"
              else NUTS(model, max_tree_depth=spec["max_tree_depth"]))
     stamped = StampedKernel(inner)
@@ -126,37 +112,15 @@ def _pinned(spec, seed) -> dict:
     return _child(spec, "plain", seed, ["taskset", "-c", "0"])
 
 
-def _command(spec, variant, seed, prefix=()) -> list:
-    return [*prefix, sys.executable, "-m", "benchmarks", "nuts", "--one",
-            json.dumps([spec, variant, seed])]
-
-
-def _result(variant, returncode, stdout, stderr) -> dict:
-    if returncode:
-        raise SystemExit(f"nuts: the {variant} child failed:\n" + stderr[-3000:])
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
 def _child(spec, variant, seed, prefix=()) -> dict:
     """:func:`run_one` in a new process (nothing compiled before it, as a user's first
     fit), run by ``prefix`` (``taskset``...)."""
-    done = subprocess.run(_command(spec, variant, seed, prefix), capture_output=True,
-                          text=True, cwd=ROOT, check=False)
-    return _result(variant, done.returncode, done.stdout, done.stderr)
-
-
-def _halves(spec, seed) -> dict:
-    """The ``ceiling``: ``serial`` on each half of the rows, in two processes at once; the
-    slower half's wall time and milliseconds per gradient."""
-    procs = [subprocess.Popen(_command({**spec, "half": half}, "serial", seed), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for half in (0, 1)]
-    outs = [p.communicate() for p in procs]
-    done = [_result("ceiling", p.returncode, *out) for p, out in zip(procs, outs)]
-    ms = [d["ms_per_grad"] for d in done]
-    return {"seconds": max(d["seconds"] for d in done),
-            "ms_per_grad": max(ms) if None not in ms else None,
-            "grads": max(d["grads"] for d in done), "route": "2 processes"}
+    cmd = [*prefix, sys.executable, "-m", "benchmarks", "nuts", "--one",
+           json.dumps([spec, variant, seed])]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+    if done.returncode:
+        raise SystemExit(f"nuts: the {variant} child failed:\n" + done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def nuts(args, env) -> list:

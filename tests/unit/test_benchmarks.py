@@ -216,26 +216,3 @@ def test_ceiling_times_two_halves_together_and_keeps_the_timeline(tmp_path):
                            timeout=300, check=False)
     assert drawn.returncode == 0, drawn.stdout + drawn.stderr
     assert (tmp_path / "timeline_hmm.png").stat().st_size > 1000
-
-
-@pytest.mark.slow
-def test_nuts_ceiling_samples_each_half_in_a_process_of_its_own(tmp_path):
-    """``python -m benchmarks nuts --variants ceiling``: two processes at once, each
-    sampling half of the rows with ``SerialExecutor()`` (fixed-step HMC: the same
-    gradients in both); its record beside plain's, ratios of the same run."""
-    out = tmp_path / "nuts.jsonl"
-    cmd = [sys.executable, "-m", "benchmarks", "nuts", "--likelihoods", "hmm:200",
-           "--kernel", "hmc", "--num-steps", "2", "--warmup", "2", "--samples", "3",
-           "--variants", "ceiling", "--repeats", "1", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    with open(out, encoding="utf-8") as fh:
-        recs = {r["variant"]: r for r in map(json.loads, fh)}
-    assert sorted(recs) == ["ceiling", "plain"]
-    plain, ceiling = recs["plain"], recs["ceiling"]
-    assert ceiling["info"]["route"] == "2 processes"
-    # fixed steps: both halves' draws evaluate the gradients plain's do (2 per draw)
-    assert ceiling["info"]["grads"] == plain["info"]["grads"] == 2 * 3
-    assert ceiling["ratio"] == pytest.approx(plain["seconds"] / ceiling["seconds"])
-    assert ceiling["info"]["ms_per_grad"] > 0
