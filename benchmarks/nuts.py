@@ -84,7 +84,9 @@ def run_one(spec: dict, variant: str, seed: int) -> dict:
     (_, make, n), = parse_likelihoods(spec["likelihood"])
     executor = _executor(variant)
     model, args = make_model(make, n, np.dtype(spec["dtype"]), executor, spec["data_as_args"])
-    inner = (HMC(model, num_steps=spec["num_steps"]) if spec["kernel"] == "hmc"
+    # trajectory_length=None: with both set, NumPyro adapts no step size (its warning).
+    inner = (HMC(model, num_steps=spec["num_steps"], trajectory_length=None)
+             if spec["kernel"] == "hmc"
              else NUTS(model, max_tree_depth=spec["max_tree_depth"]))
     stamped = StampedKernel(inner)
     mcmc = MCMC(stamped, num_warmup=spec["warmup"], num_samples=spec["samples"],
