@@ -148,7 +148,8 @@ def measure(model: str, rows: int, dtype: str, rounds: int) -> dict:
                                  rounds=rounds)
         seconds = {k: m / LOOP for k, m in zip(variants, medians(times))}
         seconds["ceiling"] = float(np.median(halves.seconds))
-        span = executors["thread"].timeline.last()[-1]
+        # None where the threads' default route was the graph (no host evaluation).
+        span = next(reversed(executors["thread"].timeline.last()), None)
         workers = executors["thread"].workers
     finally:
         if halves is not None:
@@ -188,7 +189,7 @@ def main(argv=None) -> None:
               f"threads / (2 x serial) {best / twice:.2f}", flush=True)
         for k, v in s.items():
             info = {}
-            if k == "thread":  # its last evaluation, for `python -m benchmarks plot`
+            if k == "thread" and span is not None:  # for `python -m benchmarks plot`
                 info = {"block_rows": block_rows, "workers": workers,
                         "timeline": span.as_dict()}
             out.append(records.record(env, "ceiling", model, int(rows), args.dtype, k, v,

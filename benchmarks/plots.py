@@ -149,32 +149,25 @@ def draw_cores(data, path, title="", dtype="float32"):
 def timeline_record(records):
     """The last record that keeps an evaluation's timeline (``info["timeline"]``), or
     ``None``."""
-    kept = [r for r in records if r["info"].get("timeline") and r["ratio"] is not None]
+    kept = [r for r in records if r["info"].get("timeline")]
     return kept[-1] if kept else None
 
 
 def draw_timeline(rec, path):
-    """``rec``'s evaluation as ``pb.profile``'s report draws it: a row per worker, its
-    chunks as bars, the callback and the caller's program around it (to the record's
-    seconds per gradient), the largest loss in the title."""
+    """``rec``'s evaluation as ``pb.profile``'s report draws it
+    (``profile.draw_evaluation``): a row per worker, its chunks as bars, the callback and
+    the caller's program around it (to the record's seconds per gradient), the largest
+    loss in the title."""
     plt = _pyplot()
-    from parallel_backend.plugins.numpyro.profile import ProfileReport, ProfileRow
-    from parallel_backend.timeline import EvaluationSpan
+    from parallel_backend.plugins.numpyro.profile import draw_evaluation
+    from parallel_backend.timeline import EvaluationSpan, shares
 
     span = EvaluationSpan.from_dict(rec["info"]["timeline"])
-    name = {"hmm": "HMM"}.get(rec["likelihood"], rec["likelihood"])
-    label = f"{name}, {rec['rows']:,} rows, {rec['dtype']}"
-    plain = rec["seconds"] * rec["ratio"]
     workers = int(rec["info"]["workers"])
-    thread = ProfileRow(f"ThreadExecutor(), {label}", rec["variant"], workers, "host",
-                        rec["seconds"], rec["ratio"], None, None, (), True)
-    report = ProfileReport(
-        [ProfileRow("plain NumPyro", "plain", 1, "-", plain, 1.0, None, None, (), None),
-         thread],
-        [{"name": rec["likelihood"], "rows": rec["rows"],
-          "block_rows": rec["info"].get("block_rows")}], "", None,
-        timelines={thread.executor: [span]})
-    ax = report.plot_timeline(thread.executor)
+    name = {"hmm": "HMM"}.get(rec["likelihood"], rec["likelihood"])
+    label = f"ThreadExecutor(), {name}, {rec['rows']:,} rows, {rec['dtype']}"
+    ax = draw_evaluation(span, label, workers, rec["seconds"],
+                         shares([span], workers, rec["seconds"]))
     ax.figure.suptitle(f"{rec['machine']}, {rec['date']}", fontsize=8, x=0.99, ha="right")
     ax.figure.tight_layout()
     _save(ax.figure, path)

@@ -58,6 +58,7 @@ __all__ = [
     "ProfileReport",
     "ProfileRow",
     "StampedKernel",
+    "draw_evaluation",
     "gradient_fn",
     "initial_params",
     "medians",
@@ -825,8 +826,8 @@ class ProfileReport:
                               'pip install "parallel-backend[plot]"') from e
         row = self._row(executor)
         spans = self.timelines.get(row.executor)
-        ms = 1e3
         if not spans:
+            ms = 1e3
             if ax is None:
                 _, ax = plt.subplots(figsize=(8, 1.6))
             ax.barh(["XLA program"], [row.seconds * ms], left=0, color="tab:gray")
@@ -834,37 +835,8 @@ class ProfileReport:
             ax.set_title(f"{row.executor}: every block inside the caller's program "
                          f"(one evaluation, {row.seconds * ms:.2f} ms)", fontsize=9)
             return ax
-        span = spans[-1]
-        workers = sorted({c.worker for c in span.chunks})
-        if ax is None:
-            _, ax = plt.subplots(figsize=(8, 0.45 * (len(workers) + 2) + 1.2))
-        labels = ["callback"] + [_worker_label(w) for w in workers]
-        ax.barh(labels[0], span.wall * ms, left=0, color="tab:gray")
-        if row.seconds > span.wall:
-            ax.barh(labels[0], (row.seconds - span.wall) * ms, left=span.wall * ms,
-                    color="white", edgecolor="tab:gray", hatch="//",
-                    label="the caller's program")
-        for label, worker in zip(labels[1:], workers):
-            for c in span.chunks:
-                if c.worker == worker:
-                    ax.barh(label, (c.end - c.start) * ms, left=(c.start - span.start) * ms,
-                            color="tab:blue", edgecolor="white")
-                    ax.annotate(f"{c.first}+{c.blocks}",
-                                ((c.start - span.start + (c.end - c.start) / 2) * ms,
-                                 labels.index(label)), ha="center", va="center", fontsize=7,
-                                color="white")
-        ax.invert_yaxis()
-        ax.set_xlabel("ms from the callback's start (blocks as first+count)")
-        share = self.losses(row.executor) or {}
-        worst, part = largest(share)
-        ax.set_title(f"{row.executor}: chunks {share.get('chunks', 0):.0%} of "
-                     f"{row.workers} workers' time; largest loss: {worst} "
-                     f"({part:.0%})", fontsize=9)
-        from matplotlib.figure import Figure
-
-        if isinstance(ax.figure, Figure):
-            ax.figure.tight_layout()
-        return ax
+        return draw_evaluation(spans[-1], row.executor, row.workers, row.seconds,
+                               self.losses(row.executor), ax)
 
     def plot(self, ax: Axes | None = None) -> Axes:
         """A bar chart of speedup over plain NumPyro per variant; returns the axes."""
@@ -922,6 +894,44 @@ class ProfileReport:
                           *nuts, f"recommendation: {self.recommendation}"])
 
     __str__ = __repr__
+
+
+def draw_evaluation(span, label: str, workers: int, seconds: float, share: dict | None,
+                    ax: Axes | None = None) -> Axes:
+    """One host evaluation (an :class:`~parallel_backend.timeline.EvaluationSpan`) as
+    :meth:`ProfileReport.plot_timeline` draws it: the callback's span and, to ``seconds``
+    per gradient, the caller's program after it; a row per worker with its chunks as bars;
+    the title names ``share``'s largest loss (:func:`~parallel_backend.timeline.shares`).
+    ``label`` names the executor, ``workers`` its worker count. Needs matplotlib."""
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    ms = 1e3
+    names = sorted({c.worker for c in span.chunks})
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.45 * (len(names) + 2) + 1.2))
+    labels = ["callback"] + [_worker_label(w) for w in names]
+    ax.barh(labels[0], span.wall * ms, left=0, color="tab:gray")
+    if seconds > span.wall:
+        ax.barh(labels[0], (seconds - span.wall) * ms, left=span.wall * ms,
+                color="white", edgecolor="tab:gray", hatch="//", label="the caller's program")
+    for row, worker in enumerate(names, start=1):
+        for c in span.chunks:
+            if c.worker == worker:
+                ax.barh(labels[row], (c.end - c.start) * ms, left=(c.start - span.start) * ms,
+                        color="tab:blue", edgecolor="white")
+                ax.annotate(f"{c.first}+{c.blocks}",
+                            ((c.start - span.start + (c.end - c.start) / 2) * ms, row),
+                            ha="center", va="center", fontsize=7, color="white")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the callback's start (blocks as first+count)")
+    share = share or {}
+    worst, part = largest(share)
+    ax.set_title(f"{label}: chunks {share.get('chunks', 0):.0%} of {workers} workers' time; "
+                 f"largest loss: {worst} ({part:.0%})", fontsize=9)
+    if isinstance(ax.figure, Figure):
+        ax.figure.tight_layout()
+    return ax
 
 
 def _worker_label(worker: str) -> str:
